@@ -1,0 +1,72 @@
+"""ampx: apex.amp's three-line mixed-precision API for current PyTorch, on every device.
+
+Example::
+
+    import ampx
+    model, optimizer = ampx.initialize(model, optimizer, opt_level="O1")
+    with ampx.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+
+Importing ampx changes nothing in torch; patching happens in `initialize` and is undone by
+`restore`.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+# configuration
+from .opt_levels import OptionError, OptLevel, Properties
+# the apex-style functions and the object API
+from .frontend import (
+    Amp,
+    CheckpointError,
+    deinitialize,
+    initialize,
+    load_state_dict,
+    restore,
+    scale_loss,
+    state_dict,
+    step_was_skipped,
+)
+from .optimizer import master_params
+# O1 casting controls
+from .patch import (
+    CastError,
+    disable_casts,
+    float_function,
+    half_function,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
+from .scaler import LossScaler
+from . import amp  # noqa: E402  (the apex-compatible namespace, `from ampx import amp`)
+
+__all__ = [
+    "Amp",
+    "CastError",
+    "CheckpointError",
+    "LossScaler",
+    "OptLevel",
+    "OptionError",
+    "Properties",
+    "amp",
+    "deinitialize",
+    "disable_casts",
+    "float_function",
+    "half_function",
+    "initialize",
+    "load_state_dict",
+    "master_params",
+    "promote_function",
+    "register_float_function",
+    "register_half_function",
+    "register_promote_function",
+    "restore",
+    "scale_loss",
+    "state_dict",
+    "step_was_skipped",
+]

@@ -1,0 +1,137 @@
+"""The O1 cast lists as data, resolved against the installed torch.
+
+`resolve()` is the one place that consults the installed torch: a listed name that this torch
+lacks is dropped (and the drop can be inspected with `missing()`), so the data modules never
+branch on versions.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import types
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional
+
+from . import functional, tensor_methods, torch_functions
+
+__all__ = ["ListEntry", "Policy", "missing", "owner_object", "resolve"]
+
+
+class Policy(str, enum.Enum):
+    """What a patched function does with its floating-point inputs."""
+
+    LOWER = "lower"  # cast to the session's half dtype (weights through the cache)
+    FP32 = "fp32"  # cast to float32
+    PROMOTE = "promote"  # cast mixed inputs to the widest floating type
+    SEQUENCE_PROMOTE = "sequence_promote"  # PROMOTE over the first (sequence) argument
+    BANNED = "banned"  # raise on half inputs unless allow_banned
+    INPLACE_MATCH_SELF = "inplace_match_self"  # in-place: cast other inputs to self's dtype
+    INPLACE_FP32_ERROR = "inplace_fp32_error"  # in-place FP32 op: raise if self is half
+    RNN = "rnn"  # fused RNN entry points: inputs, states and weights to half
+
+
+class ListEntry(NamedTuple):
+    """One patched attribute: `owner` is the dotted name of the object that holds it."""
+
+    owner: str
+    name: str
+    policy: Policy
+
+
+_RNN_FUNCTIONS = ("lstm", "gru", "rnn_tanh", "rnn_relu",
+                  "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")
+
+OWNERS = ("torch", "torch.Tensor", "torch.nn.functional", "torch._VF")
+
+
+def owner_object(owner: str) -> Any:
+    """The live object behind an owner name ("torch.Tensor" -> torch.Tensor)."""
+    return {
+        "torch": torch,
+        "torch.Tensor": torch.Tensor,
+        "torch.nn.functional": torch.nn.functional,
+        "torch._VF": torch._VF,
+    }[owner]
+
+
+def _candidates() -> list[tuple[ListEntry, bool]]:
+    """Entries in patching order, each with whether a miss is worth reporting.
+
+    Names derived from another list (in-place variants, torch-list names tried on Tensor) are
+    expected to be missing for many entries, so only the data modules' own names are reported.
+    """
+    out: list[tuple[ListEntry, bool]] = []
+
+    def add(owner: str, names: tuple[str, ...], policy: Policy, *, derived: bool = False) -> None:
+        out.extend((ListEntry(owner, name, policy), not derived) for name in names)
+
+    def inplace(*lists: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(name + "_" for names in lists for name in names if not name.startswith("__"))
+
+    tf, tm, fn = torch_functions, tensor_methods, functional
+    add("torch.nn.functional", fn.LOWER, Policy.LOWER)
+    add("torch.nn.functional", fn.FP32, Policy.FP32)
+    add("torch.nn.functional", fn.BANNED, Policy.BANNED)
+
+    add("torch", tf.LOWER, Policy.LOWER)
+    add("torch", tf.FP32, Policy.FP32)
+    add("torch", tf.PROMOTE, Policy.PROMOTE)
+    add("torch", tf.SEQUENCE_PROMOTE, Policy.SEQUENCE_PROMOTE)
+    add("torch", inplace(tf.FP32), Policy.INPLACE_FP32_ERROR, derived=True)
+
+    # Tensor methods: the Tensor-only names, then every torch-list name that is also a method.
+    add("torch.Tensor", tm.LOWER, Policy.LOWER)
+    add("torch.Tensor", tf.LOWER, Policy.LOWER, derived=True)
+    add("torch.Tensor", tm.FP32, Policy.FP32)
+    add("torch.Tensor", tf.FP32, Policy.FP32, derived=True)
+    add("torch.Tensor", tm.PROMOTE, Policy.PROMOTE)
+    add("torch.Tensor", tf.PROMOTE, Policy.PROMOTE, derived=True)
+    add("torch.Tensor", tm.INPLACE_FP32, Policy.INPLACE_FP32_ERROR)
+    add("torch.Tensor", inplace(tm.FP32, tf.FP32), Policy.INPLACE_FP32_ERROR, derived=True)
+    add("torch.Tensor", tm.INPLACE_MATCH_SELF, Policy.INPLACE_MATCH_SELF)
+    add("torch.Tensor", inplace(tm.LOWER, tf.LOWER, tm.PROMOTE, tf.PROMOTE),
+        Policy.INPLACE_MATCH_SELF, derived=True)
+
+    add("torch._VF", _RNN_FUNCTIONS, Policy.RNN)
+    return out
+
+
+def _exists(entry: ListEntry) -> bool:
+    owner = owner_object(entry.owner)
+    if entry.owner == "torch._VF":
+        return hasattr(torch._C._VariableFunctions, entry.name)
+    value = getattr(owner, entry.name, None)
+    if value is None:
+        return False
+    # Dunder names that only exist as object's defaults (e.g. __eq__ on a module) don't count.
+    return not isinstance(owner, types.ModuleType) or callable(value)
+
+
+@functools.lru_cache(maxsize=None)
+def _resolved() -> tuple[tuple[ListEntry, ...], tuple[ListEntry, ...]]:
+    seen: set[tuple[str, str]] = set()
+    present: list[ListEntry] = []
+    absent: list[ListEntry] = []
+    for entry, report in _candidates():
+        key = (entry.owner, entry.name)
+        if key in seen:  # first list wins, so no name is wrapped twice
+            continue
+        seen.add(key)
+        if _exists(entry):
+            present.append(entry)
+        elif report:
+            absent.append(entry)
+    return tuple(present), tuple(absent)
+
+
+def resolve() -> list[ListEntry]:
+    """Every cast-list entry that exists on the installed torch, in patching order."""
+    return list(_resolved()[0])
+
+
+def missing() -> list[ListEntry]:
+    """Listed names the installed torch lacks (they are simply not patched)."""
+    return list(_resolved()[1])

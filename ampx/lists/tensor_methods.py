@@ -1,0 +1,28 @@
+"""Cast lists for `torch.Tensor` methods (apex's tensor_overrides, brought up to date).
+
+Every name of the matching `torch` list that is also a Tensor method is added by
+`ampx.lists.resolve`; only the Tensor-specific names live here.
+"""
+
+from __future__ import annotations
+
+LOWER: tuple[str, ...] = ("__matmul__", "__rmatmul__")
+
+FP32: tuple[str, ...] = ("__pow__", "__rpow__", "softmax", "log_softmax")
+
+PROMOTE: tuple[str, ...] = (
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+    "__truediv__", "__rtruediv__", "__div__", "__rdiv__",
+    "__eq__", "__ne__", "__ge__", "__gt__", "__le__", "__lt__",
+)
+
+# In-place dunders keep self's dtype (other operands are cast to it).
+INPLACE_MATCH_SELF: tuple[str, ...] = (
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__",
+)
+
+# In-place dunders of FP32-list functions: a half self cannot hold an fp32 result.
+INPLACE_FP32: tuple[str, ...] = ("__ipow__",)
+
+SEQUENCE_PROMOTE: tuple[str, ...] = ()
+BANNED: tuple[str, ...] = ()

@@ -1,0 +1,291 @@
+"""LossScaler: dynamic or static loss scaling with device-side state.
+
+The scale, growth tracker and hysteresis tracker live on the gradients' device and are updated
+there by the kernel contract's `update_scale_`, so scaling never waits for the host. Reading a
+value as a Python number (`loss_scale()`, the apex-style `_loss_scale` attribute, `state_dict()`)
+synchronises once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from . import _ext
+from .opt_levels import LossScale
+
+__all__ = ["LossScaler", "STATE_VERSION"]
+
+logger = logging.getLogger("ampx")
+
+STATE_VERSION = 1
+_STATIC_INTERVAL = 2**31 - 1  # a static scaler never grows; it only counts clean steps
+_LOG_INTERVAL_S = 30.0  # overflow messages after the first few are rate-limited to this
+
+
+class LossScaler:
+    """The scale of one loss (`loss_id`), dynamic or static.
+
+    Dynamic scaling (apex's rule): start at `min(init_scale, max_loss_scale)`, multiply by
+    `backoff_factor` on an overflow (after `hysteresis` consecutive overflows), multiply by
+    `growth_factor` after `growth_interval` clean steps, and stay within
+    [`min_loss_scale`, `max_loss_scale`]. A static scaler keeps its scale and counts clean
+    steps as apex did.
+
+    Args:
+        loss_scale: "dynamic" or a static positive float.
+        init_scale: Initial dynamic scale.
+        growth_factor: Growth multiplier.
+        backoff_factor: Backoff multiplier.
+        growth_interval: Clean steps between growths (apex's scale window).
+        hysteresis: Overflows tolerated before backing off (DeepSpeed's meaning).
+        min_loss_scale: Floor (None: no floor).
+        max_loss_scale: Ceiling.
+        loss_id: The index of this scaler, for messages.
+        device: Where the state lives; moved to the gradients' device on first use.
+
+    Example::
+
+        scaler = LossScaler("dynamic", init_scale=2.0**10)
+        found_inf = torch.zeros(1)
+        scaler.update_(found_inf)          # a clean step
+        scaler.loss_scale()                # 1024.0 (one host sync)
+    """
+
+    def __init__(
+        self,
+        loss_scale: LossScale = "dynamic",
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_loss_scale: float | None = None,
+        max_loss_scale: float = 2.0**24,
+        loss_id: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.dynamic = loss_scale == "dynamic"
+        start = min(max_loss_scale, init_scale) if self.dynamic else float(loss_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.hysteresis = int(hysteresis)
+        self.min_loss_scale = min_loss_scale
+        self.max_loss_scale = float(max_loss_scale)
+        self.loss_id = loss_id
+        device = torch.device(device)
+        self._scale = torch.full((1,), start, dtype=torch.float32, device=device)
+        self._growth_tracker = torch.zeros(1, dtype=torch.int32, device=device)
+        self._hysteresis_tracker = torch.full((1,), self.hysteresis, dtype=torch.int32,
+                                              device=device)
+        self._overflows_since_report = torch.zeros(1, dtype=torch.float32, device=device)
+        self._last_log = -math.inf
+        self._suppressed = 0
+        self._floor_warned = False
+        self.overflow_count = 0  # overflows observed by the host (at step time)
+
+    # -- device placement -------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The device holding the scaler's state."""
+        return self._scale.device
+
+    def to_(self, device: torch.device) -> None:
+        """Move the state to `device` (done once, on first use with the gradients' device)."""
+        if device != self._scale.device:
+            for name in ("_scale", "_growth_tracker", "_hysteresis_tracker",
+                         "_overflows_since_report"):
+                setattr(self, name, getattr(self, name).to(device))
+
+    # -- the hot path (no host sync) ------------------------------------------------------
+    @property
+    def scale(self) -> torch.Tensor:
+        """The current scale as a float32 tensor of shape [1] (no sync)."""
+        return self._scale
+
+    def scale_loss_value(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss.float() * scale`, computed on the device (no sync)."""
+        scale = self._scale if loss.device == self._scale.device else self._scale.to(loss.device)
+        return loss.float() * scale.reshape(())
+
+    def inv_scale(self) -> torch.Tensor:
+        """1 / scale as a float32 tensor of shape [1] (no sync)."""
+        return torch.reciprocal(self._scale)
+
+    def update_(self, found_inf: torch.Tensor) -> None:
+        """Update the scale after one backward pass; `found_inf` is a float32 [1] flag."""
+        found = found_inf if found_inf.device == self.device else found_inf.to(self.device)
+        torch.maximum(self._overflows_since_report, found, out=self._overflows_since_report)
+        if self.dynamic:
+            _ext.update_scale_(
+                self._scale, self._growth_tracker, self._hysteresis_tracker, found,
+                self.growth_factor, self.backoff_factor, self.growth_interval, self.hysteresis,
+                self.min_loss_scale or 0.0, self.max_loss_scale,
+            )
+        else:
+            _ext.update_scale_(
+                self._scale, self._growth_tracker, self._hysteresis_tracker, found,
+                1.0, 1.0, _STATIC_INTERVAL, 1, 0.0, math.inf,
+            )
+
+    # -- host-side reporting (syncs; called only on the overflow path) ------------------------
+    def report_overflow(self) -> None:
+        """Log an overflow seen at step time, rate-limited, and warn at the floor.
+
+        .. note:: Reads the scale: one host sync, only on steps that overflowed.
+        """
+        if not bool(self._overflows_since_report.item()):
+            return
+        self._overflows_since_report.zero_()
+        self.overflow_count += 1
+        new_scale = self.loss_scale()
+        now = time.monotonic()
+        if self.overflow_count <= 3 or now - self._last_log >= _LOG_INTERVAL_S:
+            extra = f" ({self._suppressed} similar messages suppressed)" if self._suppressed else ""
+            if self.dynamic:
+                logger.info(
+                    "Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to %s%s",
+                    self.loss_id, new_scale, extra,
+                )
+            else:
+                logger.info("Non-finite gradients.  Skipping step, loss scaler %d (static "
+                            "scale %s)%s", self.loss_id, new_scale, extra)
+            self._last_log, self._suppressed = now, 0
+        else:
+            self._suppressed += 1
+        floor = self.min_loss_scale
+        at_floor = (floor is not None and new_scale <= floor) or new_scale < 2.0**-24
+        if self.dynamic and at_floor and not self._floor_warned:
+            self._floor_warned = True
+            logger.warning(
+                "ampx: loss scaler %d reached its minimum scale %s; gradients keep overflowing. "
+                "Look for a layer producing inf/NaN, lower the learning rate, or use bf16.",
+                self.loss_id, new_scale,
+            )
+        elif not at_floor:
+            self._floor_warned = False
+
+    def at_minimum(self) -> bool:
+        """True when a dynamic scale sits at `min_loss_scale` (one host sync)."""
+        return (self.dynamic and self.min_loss_scale is not None
+                and self.loss_scale() <= self.min_loss_scale)
+
+    def loss_scale(self) -> float:
+        """The current scale as a Python float.
+
+        .. note:: Synchronises with the device once.
+        """
+        return float(self._scale.item())
+
+    # -- apex's private attributes, read and written by real scripts --------------------------
+    @property
+    def _loss_scale(self) -> float:
+        return self.loss_scale()
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        self._scale.fill_(float(value))
+
+    @property
+    def _unskipped(self) -> int:
+        return int(self._growth_tracker.item())
+
+    @_unskipped.setter
+    def _unskipped(self, value: int) -> None:
+        self._growth_tracker.fill_(int(value))
+
+    @property
+    def _scale_seq_len(self) -> int:
+        return self.growth_interval
+
+    @_scale_seq_len.setter
+    def _scale_seq_len(self, value: int) -> None:
+        self.growth_interval = int(value)
+
+    @property
+    def _min_loss_scale(self) -> float | None:
+        return self.min_loss_scale
+
+    @property
+    def _max_loss_scale(self) -> float:
+        return self.max_loss_scale
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """apex's two keys (`loss_scale`, `unskipped`) plus ampx's full state.
+
+        .. note:: Synchronises with the device once.
+        """
+        return {
+            "loss_scale": self.loss_scale(),
+            "unskipped": self._unskipped,
+            "version": STATE_VERSION,
+            "dynamic": self.dynamic,
+            "hysteresis_tracker": int(self._hysteresis_tracker.item()),
+            "hysteresis": self.hysteresis,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "min_loss_scale": self.min_loss_scale,
+            "max_loss_scale": self.max_loss_scale,
+        }
+
+    @staticmethod
+    def validate_state(state: Any, key: str) -> dict[str, Any]:
+        """Check one `loss_scalerN` entry; returns it as a dict or raises naming the key."""
+        if not isinstance(state, Mapping):
+            raise ValueError(
+                f"ampx.load_state_dict: {key!r} must be a dict with 'loss_scale' and "
+                f"'unskipped'; got {type(state).__name__}."
+            )
+        for field in ("loss_scale", "unskipped"):
+            if field not in state:
+                raise ValueError(f"ampx.load_state_dict: {key!r} has no {field!r} entry.")
+        scale = state["loss_scale"]
+        if isinstance(scale, torch.Tensor):
+            scale = float(scale.item())
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
+            math.isfinite(scale) and scale > 0
+        ):
+            raise ValueError(
+                f"ampx.load_state_dict: {key}['loss_scale'] must be a positive finite number; "
+                f"got {state['loss_scale']!r}."
+            )
+        unskipped = state["unskipped"]
+        if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
+            raise ValueError(
+                f"ampx.load_state_dict: {key}['unskipped'] must be a non-negative int; "
+                f"got {unskipped!r}."
+            )
+        version = state.get("version", 0)
+        if not isinstance(version, int) or version > STATE_VERSION:
+            raise ValueError(
+                f"ampx.load_state_dict: {key}['version']={version!r} is newer than this ampx "
+                f"understands ({STATE_VERSION}); upgrade ampx."
+            )
+        tracker = state.get("hysteresis_tracker")
+        if tracker is not None and (isinstance(tracker, bool) or not isinstance(tracker, int)):
+            raise ValueError(f"ampx.load_state_dict: {key}['hysteresis_tracker'] must be an int.")
+        return dict(state, loss_scale=float(scale))
+
+    def load_state_dict(self, state: Mapping[str, Any], key: str = "loss_scaler") -> None:
+        """Load an entry made by `state_dict()` or by apex (`loss_scale`, `unskipped` only).
+
+        The scaling policy (dynamic flag, factors, bounds) stays the one this session was
+        configured with; the checkpoint restores the trajectory (scale and counters).
+
+        Raises:
+            ValueError: Naming the key, for a malformed entry; nothing is changed then.
+        """
+        checked = self.validate_state(state, key)
+        self._scale.fill_(checked["loss_scale"])
+        self._growth_tracker.fill_(checked["unskipped"])
+        tracker = checked.get("hysteresis_tracker")
+        self._hysteresis_tracker.fill_(self.hysteresis if tracker is None else tracker)

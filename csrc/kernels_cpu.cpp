@@ -1,0 +1,450 @@
+// ampx CPU kernels: one pass over memory, vectorised with at::vec::Vectorized and
+// spread over threads with at::parallel_for.
+//
+// Work decomposition: every list is cut into items of at most kChunk elements
+// (an item never spans two tensors); at::parallel_for hands contiguous runs of
+// items to threads, so a list of many small tensors and a list of one huge tensor
+// both keep every core busy. Per-item results (non-finite flags, partial sums) are
+// written to per-item slots and combined serially afterwards, so there are no data
+// races and results do not depend on the number of threads.
+//
+// Numerics (the contract of ampx/_reference.py):
+//   * every element is converted to float32, multiplied by the float32 inv_scale
+//     (and added to float32(dst) for accumulate), each operation rounded to float32
+//     separately (the build passes -ffp-contract=off: no fused multiply-add), then
+//     rounded to the output dtype with round-to-nearest-even;
+//   * unscale_ with inv_scale == 1 leaves the values untouched (as torch does);
+//   * l2norm squares in float32 (so a square that overflows float32 is inf, as in
+//     torch's float32 norm), sums blocks of squares in float32 and blocks in float64,
+//     and rounds each tensor's sum of squares to float32 before the square root.
+//
+// The instruction set is fixed at compile time by ampx/_build.py (CPU_CAPABILITY_*
+// macros and -m flags); cpu_capability() reports it.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#include "ampx.h"
+
+namespace ampx {
+namespace {
+
+using Vf = at::vec::Vectorized<float>;
+constexpr int64_t kVF = Vf::size();
+// Elements per vector step: one Vectorized<Half/BFloat16>, i.e. two float vectors.
+constexpr int64_t kStep = 2 * kVF;
+// Elements per work item. A multiple of every step size; 32K elements keep an
+// item's data (<= 128 KiB) in L2 while amortising the per-item overhead.
+constexpr int64_t kChunk = int64_t{1} << 15;
+// Below this many elements in total, run on the calling thread.
+constexpr int64_t kSerialBelow = int64_t{1} << 16;
+
+static_assert(at::vec::Vectorized<at::Half>::size() == kStep,
+              "ampx assumes Vectorized<Half> holds two float vectors");
+static_assert(at::vec::Vectorized<at::BFloat16>::size() == kStep,
+              "ampx assumes Vectorized<BFloat16> holds two float vectors");
+static_assert(kChunk % (8 * kStep) == 0, "kChunk must be a multiple of the l2norm block");
+
+// ---- load/store kStep elements as two float vectors ----
+template <typename T>
+struct Io {
+  static void load(const T* p, Vf& a, Vf& b) {
+    auto v = at::vec::Vectorized<T>::loadu(p);
+    std::tie(a, b) = at::vec::convert_to_float<T>(v);
+  }
+  static void store(T* p, const Vf& a, const Vf& b) {
+    at::vec::convert_from_float<T>(a, b).store(p);
+  }
+};
+template <>
+struct Io<float> {
+  static void load(const float* p, Vf& a, Vf& b) {
+    a = Vf::loadu(p);
+    b = Vf::loadu(p + kVF);
+  }
+  static void store(float* p, const Vf& a, const Vf& b) {
+    a.store(p);
+    b.store(p + kVF);
+  }
+};
+
+template <typename T>
+inline float to_float(T v) {
+  return static_cast<float>(v);
+}
+template <typename T>
+inline T from_float(float v) {
+  return static_cast<T>(v);  // c10::Half / c10::BFloat16: round to nearest even
+}
+
+// ---- work items ----
+struct Item {
+  int64_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+std::vector<Item> make_items(const TensorList& list, int64_t* total) {
+  std::vector<Item> items;
+  int64_t sum = 0;
+  for (size_t t = 0; t < list.size(); ++t) {
+    const int64_t n = list[t].numel();
+    sum += n;
+    for (int64_t b = 0; b < n; b += kChunk) {
+      items.push_back({static_cast<int64_t>(t), b, std::min(n, b + kChunk)});
+    }
+  }
+  *total = sum;
+  return items;
+}
+
+template <typename F>
+void run_items(const std::vector<Item>& items, int64_t total, const F& f) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  if (n == 0) {
+    return;
+  }
+  // parallel_for runs serially when the range is below the grain size.
+  const int64_t grain = total < kSerialBelow ? n + 1 : 1;
+  at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; ++k) {
+      f(k, items[k]);
+    }
+  });
+}
+
+// Records per-item non-finite flags into found_inf and per_tensor (never clears).
+void publish_flags(const std::vector<Item>& items, const std::vector<uint8_t>& bad,
+                   const at::Tensor& found_inf, const OptTensor& per_tensor) {
+  float* found = found_inf.data_ptr<float>();
+  float* flags = per_tensor.has_value() ? per_tensor->data_ptr<float>() : nullptr;
+  for (size_t k = 0; k < items.size(); ++k) {
+    if (bad[k]) {
+      found[0] = 1.f;
+      if (flags != nullptr) {
+        flags[items[k].tensor] = 1.f;
+      }
+    }
+  }
+}
+
+// ---- unscale_ ----
+// NaN-sentinel trick: (x - x) is 0 for finite x and NaN for inf/NaN, so a running
+// sum of (x - x) is NaN exactly when some element was non-finite. Branch-free.
+template <typename T, bool kScale>
+bool unscale_span(T* p, int64_t n, float inv) {
+  const Vf vinv(inv);
+  Vf acc(0.f);
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    Vf a, b;
+    Io<T>::load(p + i, a, b);
+    acc = acc + (a - a) + (b - b);
+    if constexpr (kScale) {
+      Io<T>::store(p + i, a * vinv, b * vinv);
+    }
+  }
+  float tail = 0.f;
+  for (; i < n; ++i) {
+    const float v = to_float(p[i]);
+    tail += v - v;
+    if constexpr (kScale) {
+      p[i] = from_float<T>(v * inv);
+    }
+  }
+  return acc.has_inf_nan() || std::isnan(tail);
+}
+
+template <bool kScale>
+bool unscale_item(const at::Tensor& t, const Item& it, float inv) {
+  const int64_t n = it.end - it.begin;
+  switch (kind_of(t)) {
+    case Kind::F16:
+      return unscale_span<at::Half, kScale>(t.data_ptr<at::Half>() + it.begin, n, inv);
+    case Kind::BF16:
+      return unscale_span<at::BFloat16, kScale>(t.data_ptr<at::BFloat16>() + it.begin, n,
+                                                inv);
+    default:
+      return unscale_span<float, kScale>(t.data_ptr<float>() + it.begin, n, inv);
+  }
+}
+
+// ---- unscale_into_ ----
+template <typename S, typename D, bool kAcc>
+bool unscale_into_span(const S* s, D* d, int64_t n, float inv) {
+  const Vf vinv(inv);
+  Vf acc(0.f);
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    Vf a, b;
+    Io<S>::load(s + i, a, b);
+    acc = acc + (a - a) + (b - b);
+    a = a * vinv;
+    b = b * vinv;
+    if constexpr (kAcc) {
+      Vf c, e;
+      Io<D>::load(d + i, c, e);
+      a = c + a;
+      b = e + b;
+    }
+    Io<D>::store(d + i, a, b);
+  }
+  float tail = 0.f;
+  for (; i < n; ++i) {
+    const float v = to_float(s[i]);
+    tail += v - v;
+    float r = v * inv;
+    if constexpr (kAcc) {
+      r = to_float(d[i]) + r;
+    }
+    d[i] = from_float<D>(r);
+  }
+  return acc.has_inf_nan() || std::isnan(tail);
+}
+
+template <typename S, bool kAcc>
+bool unscale_into_item_s(const S* s, char* d, Kind dk, int64_t n, float inv) {
+  switch (dk) {
+    case Kind::F16:
+      return unscale_into_span<S, at::Half, kAcc>(s, reinterpret_cast<at::Half*>(d), n, inv);
+    case Kind::BF16:
+      return unscale_into_span<S, at::BFloat16, kAcc>(s, reinterpret_cast<at::BFloat16*>(d),
+                                                      n, inv);
+    default:
+      return unscale_into_span<S, float, kAcc>(s, reinterpret_cast<float*>(d), n, inv);
+  }
+}
+
+inline char* byte_ptr(const at::Tensor& t, int64_t offset) {
+  return static_cast<char*>(t.data_ptr()) + offset * t.element_size();
+}
+
+template <bool kAcc>
+bool unscale_into_item(const at::Tensor& src, const at::Tensor& dst, const Item& it,
+                       float inv) {
+  const int64_t n = it.end - it.begin;
+  char* d = byte_ptr(dst, it.begin);
+  const Kind dk = kind_of(dst);
+  switch (kind_of(src)) {
+    case Kind::F16:
+      return unscale_into_item_s<at::Half, kAcc>(src.data_ptr<at::Half>() + it.begin, d, dk,
+                                                 n, inv);
+    case Kind::BF16:
+      return unscale_into_item_s<at::BFloat16, kAcc>(src.data_ptr<at::BFloat16>() + it.begin,
+                                                     d, dk, n, inv);
+    default:
+      return unscale_into_item_s<float, kAcc>(src.data_ptr<float>() + it.begin, d, dk, n,
+                                              inv);
+  }
+}
+
+// ---- copy_ ----
+template <typename S, typename D>
+void copy_span(const S* s, D* d, int64_t n) {
+  if constexpr (std::is_same_v<S, D>) {
+    std::memcpy(d, s, static_cast<size_t>(n) * sizeof(S));
+  } else {
+    int64_t i = 0;
+    for (; i + kStep <= n; i += kStep) {
+      Vf a, b;
+      Io<S>::load(s + i, a, b);
+      Io<D>::store(d + i, a, b);
+    }
+    for (; i < n; ++i) {
+      d[i] = from_float<D>(to_float(s[i]));
+    }
+  }
+}
+
+template <typename S>
+void copy_item_s(const S* s, char* d, Kind dk, int64_t n) {
+  switch (dk) {
+    case Kind::F16:
+      copy_span<S, at::Half>(s, reinterpret_cast<at::Half*>(d), n);
+      break;
+    case Kind::BF16:
+      copy_span<S, at::BFloat16>(s, reinterpret_cast<at::BFloat16*>(d), n);
+      break;
+    default:
+      copy_span<S, float>(s, reinterpret_cast<float*>(d), n);
+      break;
+  }
+}
+
+// ---- l2norm ----
+template <typename T>
+double sumsq_span(const T* p, int64_t n) {
+  constexpr int64_t kBlock = 8 * kStep;
+  double total = 0.0;
+  int64_t i = 0;
+  alignas(64) float buf[kVF];
+  for (; i + kBlock <= n; i += kBlock) {
+    Vf acc0(0.f), acc1(0.f), acc2(0.f), acc3(0.f);
+    for (int64_t j = 0; j < kBlock; j += 2 * kStep) {
+      Vf a, b, c, e;
+      Io<T>::load(p + i + j, a, b);
+      Io<T>::load(p + i + j + kStep, c, e);
+      acc0 = acc0 + a * a;
+      acc1 = acc1 + b * b;
+      acc2 = acc2 + c * c;
+      acc3 = acc3 + e * e;
+    }
+    ((acc0 + acc1) + (acc2 + acc3)).store(buf);
+    for (int64_t k = 0; k < kVF; ++k) {
+      total += static_cast<double>(buf[k]);
+    }
+  }
+  for (; i < n; ++i) {
+    const float v = to_float(p[i]);
+    total += static_cast<double>(v * v);
+  }
+  return total;
+}
+
+double sumsq_item(const at::Tensor& t, const Item& it) {
+  const int64_t n = it.end - it.begin;
+  switch (kind_of(t)) {
+    case Kind::F16:
+      return sumsq_span(t.data_ptr<at::Half>() + it.begin, n);
+    case Kind::BF16:
+      return sumsq_span(t.data_ptr<at::BFloat16>() + it.begin, n);
+    default:
+      return sumsq_span(t.data_ptr<float>() + it.begin, n);
+  }
+}
+
+}  // namespace
+
+const char* cpu_capability() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return "AVX512";
+#elif defined(CPU_CAPABILITY_AVX2)
+  return "AVX2";
+#else
+  return "DEFAULT";
+#endif
+}
+
+void unscale_cpu(const TensorList& grads, const at::Tensor& inv_scale,
+                 const at::Tensor& found_inf, const OptTensor& per_tensor) {
+  int64_t total = 0;
+  const auto items = make_items(grads, &total);
+  std::vector<uint8_t> bad(items.size(), 0);
+  const float inv = inv_scale.data_ptr<float>()[0];
+  if (inv == 1.f) {
+    run_items(items, total, [&](int64_t k, const Item& it) {
+      bad[k] = unscale_item<false>(grads[it.tensor], it, inv);
+    });
+  } else {
+    run_items(items, total, [&](int64_t k, const Item& it) {
+      bad[k] = unscale_item<true>(grads[it.tensor], it, inv);
+    });
+  }
+  publish_flags(items, bad, found_inf, per_tensor);
+}
+
+void unscale_into_cpu(const TensorList& src, const TensorList& dst,
+                      const at::Tensor& inv_scale, const at::Tensor& found_inf,
+                      const OptTensor& per_tensor, bool accumulate) {
+  int64_t total = 0;
+  const auto items = make_items(src, &total);
+  std::vector<uint8_t> bad(items.size(), 0);
+  const float inv = inv_scale.data_ptr<float>()[0];
+  if (accumulate) {
+    run_items(items, total, [&](int64_t k, const Item& it) {
+      bad[k] = unscale_into_item<true>(src[it.tensor], dst[it.tensor], it, inv);
+    });
+  } else {
+    run_items(items, total, [&](int64_t k, const Item& it) {
+      bad[k] = unscale_into_item<false>(src[it.tensor], dst[it.tensor], it, inv);
+    });
+  }
+  publish_flags(items, bad, found_inf, per_tensor);
+}
+
+void copy_cpu(const TensorList& src, const TensorList& dst) {
+  int64_t total = 0;
+  const auto items = make_items(src, &total);
+  run_items(items, total, [&](int64_t, const Item& it) {
+    const at::Tensor& s = src[it.tensor];
+    const at::Tensor& d = dst[it.tensor];
+    const int64_t n = it.end - it.begin;
+    char* dp = byte_ptr(d, it.begin);
+    const Kind dk = kind_of(d);
+    switch (kind_of(s)) {
+      case Kind::F16:
+        copy_item_s(s.data_ptr<at::Half>() + it.begin, dp, dk, n);
+        break;
+      case Kind::BF16:
+        copy_item_s(s.data_ptr<at::BFloat16>() + it.begin, dp, dk, n);
+        break;
+      default:
+        copy_item_s(s.data_ptr<float>() + it.begin, dp, dk, n);
+        break;
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> l2norm_cpu(const TensorList& tensors, bool per_tensor) {
+  int64_t total = 0;
+  const auto items = make_items(tensors, &total);
+  std::vector<double> partial(items.size(), 0.0);
+  run_items(items, total, [&](int64_t k, const Item& it) {
+    partial[k] = sumsq_item(tensors[it.tensor], it);
+  });
+  // Combine in item order: deterministic, independent of the thread count.
+  std::vector<double> sums(tensors.size(), 0.0);
+  for (size_t k = 0; k < items.size(); ++k) {
+    sums[items[k].tensor] += partial[k];
+  }
+  auto opts = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor norms = at::empty({per_tensor ? static_cast<int64_t>(tensors.size()) : 0}, opts);
+  float* out = norms.data_ptr<float>();
+  double all = 0.0;
+  for (size_t t = 0; t < sums.size(); ++t) {
+    all += sums[t];
+    if (per_tensor) {
+      out[t] = std::sqrt(static_cast<float>(sums[t]));
+    }
+  }
+  at::Tensor result = at::empty({}, opts);
+  result.data_ptr<float>()[0] = std::sqrt(static_cast<float>(all));
+  return {result, norms};
+}
+
+void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                      const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
+                      const ScaleParams& p) {
+  float* s = scale.data_ptr<float>();
+  int32_t* gt = growth_tracker.data_ptr<int32_t>();
+  int32_t* ht = hysteresis_tracker.data_ptr<int32_t>();
+  const float found = found_inf.data_ptr<float>()[0];
+  if (found > 0.f) {
+    *gt = 0;
+    if (*ht <= 1) {
+      *s = std::min(std::max(*s * p.backoff, p.min_scale), p.max_scale);
+    } else {
+      *ht -= 1;
+    }
+  } else {
+    const int64_t next = static_cast<int64_t>(*gt) + 1;
+    if (next >= p.interval) {
+      const float grown = *s * p.growth;
+      if (std::isfinite(grown)) {
+        *s = std::min(grown, p.max_scale);
+      }
+      *gt = 0;
+      *ht = p.hysteresis;
+    } else {
+      *gt = static_cast<int32_t>(next);
+    }
+  }
+}
+
+}  // namespace ampx
