@@ -16,8 +16,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-# configuration
-from .opt_levels import OptionError, OptLevel, Properties
+# the apex-compatible namespace (`from ampx import amp`)
+from . import amp
+
 # the apex-style functions and the object API
 from .frontend import (
     Amp,
@@ -30,7 +31,11 @@ from .frontend import (
     state_dict,
     step_was_skipped,
 )
+
+# configuration
+from .opt_levels import OptionError, OptLevel, Properties
 from .optimizer import master_params
+
 # O1 casting controls
 from .patch import (
     CastError,
@@ -43,7 +48,6 @@ from .patch import (
     register_promote_function,
 )
 from .scaler import LossScaler
-from . import amp  # noqa: E402  (the apex-compatible namespace, `from ampx import amp`)
 
 __all__ = [
     "Amp",

@@ -58,7 +58,7 @@ def device_types_of(models: list[nn.Module]) -> frozenset[str]:
 
 
 def _floating_tensors(model: nn.Module) -> list[torch.Tensor]:
-    tensors = [p for p in model.parameters() if p.is_floating_point()]
+    tensors: list[torch.Tensor] = [p for p in model.parameters() if p.is_floating_point()]
     tensors += [b for b in model.buffers() if b.is_floating_point()]
     return tensors
 

@@ -193,7 +193,9 @@ def _parse_loss_scale(value: Any) -> LossScale:
             f"ampx.initialize: loss_scale={value!r} is neither 'dynamic' nor a number."
         ) from None
     if not (scale > 0 and scale != float("inf")):
-        raise OptionError(f"ampx.initialize: loss_scale={value!r} must be a positive finite number.")
+        raise OptionError(
+            f"ampx.initialize: loss_scale={value!r} must be a positive finite number."
+        )
     return scale
 
 
