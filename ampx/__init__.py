@@ -16,10 +16,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-# the apex-compatible namespace (`from ampx import amp`)
-from . import amp
-
-# the apex-style functions and the object API
+from . import amp  # the apex-compatible namespace: `from ampx import amp`
+from .compat.options import add_args
 from .frontend import (
     Amp,
     CheckpointError,
@@ -31,12 +29,8 @@ from .frontend import (
     state_dict,
     step_was_skipped,
 )
-
-# configuration
 from .opt_levels import OptionError, OptLevel, Properties
 from .optimizer import master_params
-
-# O1 casting controls
 from .patch import (
     CastError,
     disable_casts,
@@ -50,6 +44,7 @@ from .patch import (
 from .scaler import LossScaler
 
 __all__ = [
+    # the object API and configuration
     "Amp",
     "CastError",
     "CheckpointError",
@@ -57,6 +52,8 @@ __all__ = [
     "OptLevel",
     "OptionError",
     "Properties",
+    # apex's module functions (also in ampx.amp) and ampx's additions
+    "add_args",
     "amp",
     "deinitialize",
     "disable_casts",

@@ -126,7 +126,8 @@ def _key(src: Path, cap: str, cuda: bool) -> str:
 
     torch_version = torch.__version__.replace("+", "_")
     py = f"py{sys.version_info[0]}{sys.version_info[1]}"
-    return f"torch{torch_version}-{py}-{cap.lower()}-{'cuda' if cuda else 'cpu'}-{_source_hash(src)}"
+    device = "cuda" if cuda else "cpu"
+    return f"torch{torch_version}-{py}-{cap.lower()}-{device}-{_source_hash(src)}"
 
 
 def _module_name(key: str) -> str:

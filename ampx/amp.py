@@ -25,6 +25,7 @@ from .patch import (
 
 __all__ = [
     "disable_casts",
+    "init",
     "float_function",
     "half_function",
     "initialize",
@@ -39,6 +40,29 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"  # apex.amp's version string was 0.1.0 as well
+
+
+def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool = True,
+         verbose: bool = False, allow_banned: bool = False) -> Any:
+    """apex's old entry point `amp.init()`: install O1's float16 function patches only.
+
+    No model or optimizer is prepared (use `initialize` for that); casts apply to tensors on
+    the accelerator torch reports (CUDA, ...), or on CPU when there is none. Returns the
+    installed patch handle (None when `enabled` is False). `loss_scale` and
+    `enable_caching` are accepted for compatibility; the weight cache is always on.
+    """
+    import torch
+
+    from . import patch
+
+    del loss_scale, enable_caching
+    if not enabled:
+        return None
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() \
+        else None
+    device = accelerator.type if accelerator is not None else "cpu"
+    return patch.activate(patch.CastConfig(dtype=torch.float16, device_types=frozenset({device}),
+                                           allow_banned=allow_banned, verbose=verbose))
 
 
 class _AmpStateView:

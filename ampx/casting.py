@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["WeightCastCache", "cast_tree", "is_namedtuple"]
+__all__ = ["WeightCastCache", "cast_method", "cast_tree", "is_namedtuple"]
 
 _Tensor = torch.Tensor
 
@@ -40,8 +40,9 @@ def cast_tree(value: Any, dtype: torch.dtype, should_cast: Callable[[torch.Tenso
         return value
     if isinstance(value, collections.abc.Mapping):
         items = {k: cast_tree(v, dtype, should_cast) for k, v in value.items()}
+        mapping_type: Any = type(value)
         try:
-            return type(value)(items)
+            return mapping_type(items)
         except TypeError:
             return items
     if isinstance(value, tuple):
@@ -57,52 +58,95 @@ def cast_tree(value: Any, dtype: torch.dtype, should_cast: Callable[[torch.Tenso
     return value
 
 
+_CAST_METHODS: dict[torch.dtype, Callable[[torch.Tensor], torch.Tensor]] = {
+    # The dtype-specific methods parse their arguments faster than `Tensor.to(dtype)`.
+    torch.float16: torch._C.TensorBase.half,
+    torch.bfloat16: torch._C.TensorBase.bfloat16,
+    torch.float32: torch._C.TensorBase.float,
+    torch.float64: torch._C.TensorBase.double,
+}
+
+
+def cast_method(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The fastest `tensor -> tensor.to(dtype)` callable for `dtype` (autograd-aware).
+
+    >>> cast_method(torch.bfloat16)(torch.ones(1)).dtype
+    torch.bfloat16
+    """
+    method = _CAST_METHODS.get(dtype)
+    if method is not None:
+        return method
+    return lambda t: t.to(dtype)
+
+
 class WeightCastCache:
     """Casts of parameters to a low-precision dtype, reused within one iteration.
 
-    Entries are keyed by the parameter's identity and the target dtype, and are valid only
-    while the parameter's version counter and storage are unchanged, so a weight changed by
-    an optimizer step, `load_state_dict` or any in-place update is recast (apex served such
+    Entries are keyed by the parameter's identity (one table per target dtype), and are valid
+    only while the parameter's version counter and storage are unchanged, so a weight changed
+    by an optimizer step, `load_state_dict` or any in-place update is recast (apex served such
     weights stale, NVIDIA/apex#796). An entry cast with autograd off is not served to a
-    forward that needs gradients. `clear()` is called when an iteration ends (`scale_loss`
-    exit), which frees the cast copies and their autograd nodes.
+    forward that needs gradients, and an entry made under `torch.inference_mode` is not
+    served outside it. `clear()` is called when an iteration ends (`scale_loss` exit), which
+    frees the cast copies and their autograd nodes.
+
+    The hot path is `bind(dtype)`, a specialised closure the O1 wrappers call per tensor.
 
     Attributes:
         hits: Casts served from the cache since construction.
         misses: Casts actually performed.
     """
 
-    __slots__ = ("_entries", "hits", "misses")
+    __slots__ = ("_tables", "hits", "misses")
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[int, torch.dtype], tuple[torch.Tensor, int, int, torch.Tensor]]
-        self._entries = {}
+        # dtype -> id(param) -> (param, version, data_ptr, cast)
+        self._tables: dict[torch.dtype, dict[int, tuple[torch.Tensor, int, int, torch.Tensor]]]
+        self._tables = {}
         self.hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(table) for table in self._tables.values())
+
+    def bind(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A fast `param -> cached param.to(dtype)` for one dtype (what `cast` calls)."""
+        table = self._tables.setdefault(dtype, {})
+        convert = cast_method(dtype)
+        grad_enabled = torch.is_grad_enabled
+        inference = torch.is_inference_mode_enabled
+        cache = self
+
+        def cached_cast(param: torch.Tensor) -> torch.Tensor:
+            entry = table.get(id(param))
+            if entry is not None:
+                owner, version, ptr, cast = entry
+                if (
+                    owner is param
+                    and version == param._version
+                    and ptr == param.data_ptr()
+                    and (
+                        cast.requires_grad
+                        or (
+                            not (param.requires_grad and grad_enabled())
+                            and not (cast.is_inference() and not inference())
+                        )
+                    )
+                ):
+                    cache.hits += 1
+                    return cast
+            cast = convert(param)
+            table[id(param)] = (param, param._version, param.data_ptr(), cast)
+            cache.misses += 1
+            return cast
+
+        return cached_cast
 
     def cast(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`param.to(dtype)`, served from the cache when still valid."""
-        key = (id(param), dtype)
-        entry = self._entries.get(key)
-        version = param._version
-        if entry is not None:
-            owner, seen_version, seen_ptr, cast = entry
-            if (
-                owner is param
-                and seen_version == version
-                and seen_ptr == param.data_ptr()
-                and (cast.requires_grad or not (param.requires_grad and torch.is_grad_enabled()))
-            ):
-                self.hits += 1
-                return cast
-        cast = param.to(dtype)
-        self._entries[key] = (param, version, param.data_ptr(), cast)
-        self.misses += 1
-        return cast
+        return self.bind(dtype)(param)
 
     def clear(self) -> None:
         """Drop every entry (the counters are kept)."""
-        self._entries.clear()
+        for table in self._tables.values():
+            table.clear()

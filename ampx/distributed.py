@@ -1,31 +1,86 @@
-"""Overflow agreement across ranks of torch.distributed.
+"""Overflow agreement across ranks of torch.distributed, and rank-0-only logging.
 
 With DDP, gradients are all-reduced during backward, so every rank sees the same inf/NaN. Where
-they are not (gradient accumulation under `no_sync`, FSDP2's sharded gradients, sharded
-optimizers, or a rank-local loss), ranks could disagree on whether to skip a step and drift
+they are not (FSDP2's sharded gradients, sharded optimizers, gradients reduced by hand after
+`scale_loss`, or a rank-local loss), ranks could disagree on whether to skip a step and drift
 apart. ampx therefore all-reduces its overflow flag (MAX) before it is acted on whenever a
 process group with more than one rank is initialized, unless the session was created with
 `sync_overflow=False`.
+
+Gradient accumulation under DDP's `no_sync` must leave the accumulated gradients scaled
+(`scale_loss(..., delay_unscale=True)` for every pass but the last, which is what
+`ampx.compat.fairseq.AmpOptimizer` does): an unscale in a `no_sync` pass moves that pass's
+gradients out of `.grad` (into the masters at O2, into a stash at O1), so DDP's final
+all-reduce would not include them.
+
+Once ampx sees a multi-rank run it adds `RankZeroFilter` to the "ampx" logger: ranks other than
+0 then only log errors, so a skipped step is reported once, not once per rank.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_multi_rank", "reduce_found_inf_", "rank"]
+__all__ = ["RankZeroFilter", "install_log_filter", "is_multi_rank", "rank", "reduce_found_inf_"]
+
+_LOG_FILTER: RankZeroFilter | None = None
+
+
+class RankZeroFilter(logging.Filter):
+    """A logging filter that lets ranks other than 0 through only at `level` and above.
+
+    The rank is read when a record is logged, so the filter can be installed before
+    `init_process_group`; in a single process it lets everything through.
+
+    Args:
+        level: The lowest level logged on every rank.
+
+    Example::
+
+        logging.getLogger("my_trainer").addFilter(ampx.distributed.RankZeroFilter())
+    """
+
+    def __init__(self, level: int = logging.ERROR) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """True when the record is logged (rank 0, or at least `level`)."""
+        return record.levelno >= self.level or rank() == 0
+
+
+def install_log_filter(level: int = logging.ERROR) -> RankZeroFilter:
+    """Add (once) a `RankZeroFilter` to the "ampx" logger; returns it.
+
+    ampx calls this itself as soon as it sees a multi-rank run. Remove it with
+    `logging.getLogger("ampx").removeFilter(...)` to get every rank's messages.
+    """
+    global _LOG_FILTER
+    if _LOG_FILTER is None:
+        _LOG_FILTER = RankZeroFilter(level)
+        logging.getLogger("ampx").addFilter(_LOG_FILTER)
+    return _LOG_FILTER
 
 
 def is_multi_rank(group: Any = None) -> bool:
     """True when torch.distributed is initialized with more than one rank in `group`."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    if multi and _LOG_FILTER is None:
+        install_log_filter()
+    return multi
 
 
 def rank() -> int:
     """This process's global rank (0 when not distributed)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    if _LOG_FILTER is None and dist.get_world_size() > 1:
+        install_log_filter()
+    return dist.get_rank()
 
 
 def reduce_found_inf_(found_inf: torch.Tensor, group: Any = None) -> None:

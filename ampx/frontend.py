@@ -199,6 +199,30 @@ class Amp:
         self._o1: patch.O1Patches | None = None
         self._initialized = False
 
+    @classmethod
+    def from_args(cls, args: Any, **overrides: Any) -> Amp:
+        """Build a session from the flags `ampx.add_args(parser)` added (argparse or config).
+
+        Args:
+            args: The parsed arguments (see `ampx.compat.options.amp_kwargs_from_args`).
+            **overrides: `Amp` keyword arguments that replace the flags' values.
+
+        Raises:
+            ValueError: When `--opt-level` is combined with fairseq's own precision flags.
+            OptionError: For options that don't fit.
+
+        Example::
+
+            parser = argparse.ArgumentParser()
+            ampx.add_args(parser)
+            amp = ampx.Amp.from_args(parser.parse_args())
+        """
+        from .compat.options import amp_kwargs_from_args
+
+        kwargs = amp_kwargs_from_args(args)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
     # -- configuration views -------------------------------------------------------------------
     @property
     def enabled(self) -> bool:
@@ -289,7 +313,7 @@ class Amp:
                 ))
         except BaseException:
             for record in casts:
-                record.remove_hooks()
+                record.undo()  # weights, buffers and hooks as handed in
             for opt in opt_list:
                 state = amp_state_of(opt)
                 if state is not None:
@@ -505,7 +529,10 @@ class Amp:
         for key, value in state_dict.items():
             index = _scaler_index(key)[1]
             try:
-                entry = LossScaler.validate_state(value, key)
+                if index < len(self.scalers):
+                    entry = self.scalers[index].check_state(value, key)
+                else:
+                    entry = LossScaler.validate_state(value, key)
             except ValueError as exc:
                 raise CheckpointError(str(exc)) from None
             if index >= len(self.scalers):

@@ -8,8 +8,10 @@ independent model that computes with its own weights.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,17 +166,30 @@ class LoadIntoMasters:
 
 @dataclass
 class ModelCast:
-    """What `cast_model` did to one model (hook handles, the master map)."""
+    """What `cast_model` did to one model (hook handles, the master map, an undo log)."""
 
     model: nn.Module
     masters: MasterMap = field(default_factory=MasterMap)
     handles: list[Any] = field(default_factory=list)
+    undo_log: list[Callable[[], None]] = field(default_factory=list)
 
     def remove_hooks(self) -> None:
         """Remove the input/output/state-dict hooks (the casts themselves stay)."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+
+    def undo(self) -> None:
+        """Remove the hooks and put back every parameter, buffer and gradient as it was.
+
+        Used when `initialize` fails after the model was cast, so the user's model is
+        exactly as it was handed in (the same Parameter objects holding the same data).
+        """
+        self.remove_hooks()
+        with torch.no_grad():
+            while self.undo_log:
+                self.undo_log.pop()()
+        self.masters = MasterMap()
 
 
 def _is_kept_batchnorm(module: nn.Module, keep_batchnorm_fp32: bool | None) -> bool:
@@ -206,34 +221,44 @@ def cast_model(
         The `ModelCast` record, with the master map filled for split parameters.
     """
     record = ModelCast(model)
-    if dtype is not None:
-        _cast_weights(model, dtype, keep_batchnorm_fp32, split_params, record.masters)
-        record.handles.append(model.register_forward_pre_hook(InputCast(dtype), with_kwargs=True))
-        if dtype != torch.float32:
-            hook = Fp32StateDict(record.masters if len(record.masters) else None)
-            for module in model.modules():
-                record.handles.append(module._register_state_dict_hook(hook))
-            if len(record.masters):
-                loader = LoadIntoMasters(record.masters)
+    try:
+        if dtype is not None:
+            _cast_weights(model, dtype, keep_batchnorm_fp32, split_params, record)
+            record.handles.append(
+                model.register_forward_pre_hook(InputCast(dtype), with_kwargs=True))
+            if dtype != torch.float32:
+                hook = Fp32StateDict(record.masters if len(record.masters) else None)
                 for module in model.modules():
-                    record.handles.append(module._register_load_state_dict_pre_hook(loader))
-    if cast_outputs is not None:
-        record.handles.append(model.register_forward_hook(OutputCast(cast_outputs)))
+                    record.handles.append(module._register_state_dict_hook(hook))
+                if len(record.masters):
+                    loader = LoadIntoMasters(record.masters)
+                    for module in model.modules():
+                        record.handles.append(module._register_load_state_dict_pre_hook(
+                            loader, with_module=True))
+        if cast_outputs is not None:
+            record.handles.append(model.register_forward_hook(OutputCast(cast_outputs)))
+    except BaseException:
+        record.undo()
+        raise
     return record
 
 
 def _cast_weights(model: nn.Module, dtype: torch.dtype, keep_bn: bool | None,
-                  split_params: set[int], masters: MasterMap) -> None:
+                  split_params: set[int], record: ModelCast) -> None:
+    masters, undo = record.masters, record.undo_log
     replaced: dict[int, nn.Parameter] = {}  # keeps tied weights tied
     done: set[int] = set()
     with torch.no_grad():
         for module in model.modules():
             if _is_kept_batchnorm(module, keep_bn):
                 continue
+            if isinstance(module, nn.RNNBase):  # undone last: after the params are back
+                undo.append(module._init_flat_weights)
             for name, param in list(module._parameters.items()):
                 if param is None or not param.is_floating_point():
                     continue
                 if id(param) in replaced:
+                    undo.append(functools.partial(setattr, module, name, param))
                     setattr(module, name, replaced[id(param)])
                     continue
                 if id(param) in done or param.dtype == dtype:
@@ -242,14 +267,22 @@ def _cast_weights(model: nn.Module, dtype: torch.dtype, keep_bn: bool | None,
                     half = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
                     replaced[id(param)] = half
                     masters.add(half, param)
+                    undo.append(functools.partial(setattr, module, name, param))
                     setattr(module, name, half)
                 else:
+                    undo.append(functools.partial(_set_data, param, param.data, param.grad))
                     param.data = param.data.to(dtype)
                     if param.grad is not None:
                         param.grad = param.grad.to(dtype)
                     done.add(id(param))
             for name, buf in list(module._buffers.items()):
                 if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                    undo.append(functools.partial(module._buffers.__setitem__, name, buf))
                     module._buffers[name] = buf.to(dtype)
             if isinstance(module, nn.RNNBase):
                 module._init_flat_weights()
+
+
+def _set_data(param: nn.Parameter, data: torch.Tensor, grad: torch.Tensor | None) -> None:
+    param.data = data
+    param.grad = grad

@@ -70,6 +70,7 @@ class OptimizerAmpState:
     _last_step_end: float = field(default_factory=time.perf_counter)
     _skip_now: bool = False
     _groups_seen: int = 0
+    _cache: ParamCache | None = None
 
     def detach(self) -> None:
         """Remove the step hooks (used when initialize fails half-way and by tests)."""
@@ -81,6 +82,64 @@ class OptimizerAmpState:
 def amp_state_of(optimizer: Any) -> OptimizerAmpState | None:
     """The ampx state of an optimizer, or None if it never went through initialize."""
     return getattr(optimizer, _ATTR, None)
+
+
+@dataclass(eq=False)
+class ParamCache:
+    """The per-step views of one optimizer's parameters, rebuilt only when its groups change.
+
+    Attributes:
+        signature: What the cache was built from (group lists, lengths, end points).
+        params: Every parameter of every group, in order.
+        pairs: (half model parameter, fp32 master) for the masters this optimizer steps.
+        models: The half model parameters of `pairs`.
+        masters: The fp32 masters of `pairs`.
+        others: The parameters that are not masters (the optimizer steps them directly).
+        copy_groups: (masters, models) lists per device, for the master->model copy.
+    """
+
+    signature: tuple
+    params: list[torch.Tensor]
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    models: list[torch.Tensor]
+    masters: list[torch.Tensor]
+    others: list[torch.Tensor]
+    copy_groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]]
+
+
+def _signature(optimizer: torch.optim.Optimizer) -> tuple:
+    sig = []
+    for group in optimizer.param_groups:
+        params = group["params"]
+        sig.append((id(params), len(params), id(params[0]) if params else 0,
+                    id(params[-1]) if params else 0))
+    return tuple(sig)
+
+
+def param_cache(optimizer: torch.optim.Optimizer, state: OptimizerAmpState) -> ParamCache:
+    """The cached parameter views of `optimizer` (rebuilt when its param groups changed).
+
+    Only the masters held by *this* optimizer are paired with model parameters: with several
+    optimizers (a GAN's generator and discriminator) each one unscales, copies and releases
+    its own masters only.
+    """
+    sig = _signature(optimizer)
+    cache = state._cache
+    if cache is not None and cache.signature == sig:
+        return cache
+    params = list(optimizer_params(optimizer))
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if len(state.masters):
+        by_master = {id(master): model for model, master in state.masters.pairs()}
+        pairs = [(by_master[id(p)], p) for p in params if id(p) in by_master]
+    master_ids = {id(m) for _, m in pairs}
+    others = [p for p in params if id(p) not in master_ids]
+    models = [m for m, _ in pairs]
+    masters = [m for _, m in pairs]
+    cache = ParamCache(sig, params, pairs, models, masters, others,
+                       _group_pairs(masters, models))
+    state._cache = cache
+    return cache
 
 
 def check_optimizers(optimizers: Any) -> tuple[list[torch.optim.Optimizer], bool]:
@@ -126,8 +185,12 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """The parameters the optimizer steps: the fp32 masters at O2, valid right after initialize.
 
     Clip gradients over these (not `model.parameters()`): after `scale_loss` they hold the
-    unscaled gradients.
+    unscaled gradients. Half parameters added with `add_param_group` after initialize get
+    their masters here at the latest.
     """
+    state = amp_state_of(optimizer)
+    if state is not None:
+        adopt_new_groups(optimizer, state)
     return optimizer_params(optimizer)
 
 
@@ -173,6 +236,7 @@ def adopt_new_groups(optimizer: torch.optim.Optimizer, state: OptimizerAmpState)
                     state.masters.add(param, master)
                     params[i] = master
     state._groups_seen = len(groups)
+    state._cache = None
 
 
 # -- around backward ----------------------------------------------------------------------------
@@ -180,24 +244,25 @@ def adopt_new_groups(optimizer: torch.optim.Optimizer, state: OptimizerAmpState)
 def prepare_backward(optimizer: torch.optim.Optimizer, state: OptimizerAmpState) -> None:
     """Before a scaled backward: move existing gradients aside so backward writes only its own.
 
-    Without master weights every optimizer parameter is stashed; with master weights only the
-    fp32 parameters the model shares with the optimizer are (the masters receive gradients
-    only from `post_backward`). Skipped while scaled gradients from `delay_unscale` wait.
+    Parameters the optimizer steps directly have their gradient stashed (restored, added to
+    this pass's unscaled gradient, by `post_backward`). The half model parameters behind this
+    optimizer's masters have their gradient dropped, as apex did: anything there was not
+    produced through this optimizer's `scale_loss` (for example a discriminator's backward
+    reaching the generator in a GAN), and `zero_grad` only reaches the masters. Skipped while
+    scaled gradients from `delay_unscale` wait.
     """
     adopt_new_groups(optimizer, state)
     if state.scaled_grads_pending:
         return
-    master_ids = _master_ids(state.masters) if len(state.masters) else set()
-    for param in optimizer_params(optimizer):
+    cache = param_cache(optimizer, state)
+    for model_param in cache.models:
+        model_param.grad = None
+    stash = state.stash
+    for param in cache.others:
         grad = param.grad
-        if grad is None or id(param) in master_ids:
-            continue
-        state.stash[id(param)] = (param, grad)
-        param.grad = None
-
-
-def _master_ids(masters: MasterMap) -> set[int]:
-    return {id(master) for _, master in masters.pairs()}
+        if grad is not None:
+            stash[id(param)] = (param, grad)
+            param.grad = None
 
 
 def restore_stash(state: OptimizerAmpState) -> None:
@@ -218,33 +283,33 @@ def post_backward(
     - half model params with fp32 masters: `master.grad (+)= model.grad * inv_scale` in one
       pass, then the half gradient is released;
     - other params: unscale in place, or add onto the stashed earlier gradient.
-    All non-finite values are flagged in `found_inf` (a float32 [1] device tensor).
+    All non-finite values are flagged in `found_inf` (a float32 [1] device tensor); nothing
+    here synchronises with the host.
     """
+    cache = param_cache(optimizer, state)
     fresh_src: list[torch.Tensor] = []
     fresh_dst: list[torch.Tensor] = []
     acc_src: list[torch.Tensor] = []
     acc_dst: list[torch.Tensor] = []
     in_place: list[torch.Tensor] = []
-    master_ids: set[int] = set()
-    if len(state.masters):
-        for model_param, master in state.masters.pairs():
-            master_ids.add(id(master))
-            grad = model_param.grad
-            if grad is None:
-                continue
-            if master.grad is None:
-                master.grad = torch.empty_like(master)
-                fresh_src.append(grad)
-                fresh_dst.append(master.grad)
-            else:
-                acc_src.append(grad)
-                acc_dst.append(master.grad)
-            model_param.grad = None
-    for param in optimizer_params(optimizer):
-        if id(param) in master_ids:
+    for model_param, master in cache.pairs:
+        grad = model_param.grad
+        if grad is None:
             continue
+        master_grad = master.grad
+        if master_grad is None:
+            master_grad = torch.empty_like(master)
+            master.grad = master_grad
+            fresh_src.append(grad)
+            fresh_dst.append(master_grad)
+        else:
+            acc_src.append(grad)
+            acc_dst.append(master_grad)
+        model_param.grad = None
+    stash = state.stash
+    for param in cache.others:
         grad = param.grad
-        stashed = state.stash.pop(id(param), None)
+        stashed = stash.pop(id(param), None) if stash else None
         if grad is None:
             if stashed is not None:
                 param.grad = stashed[1]
@@ -255,14 +320,26 @@ def post_backward(
             acc_src.append(grad)
             acc_dst.append(stashed[1])
             param.grad = stashed[1]
-    restore_stash(state)  # params not in this optimizer's groups any more, if any
+    if stash:
+        restore_stash(state)  # params that left this optimizer's groups, if any
     for src, dst, accumulate in ((fresh_src, fresh_dst, False), (acc_src, acc_dst, True)):
         for (s_group, d_group) in _group_pairs(src, dst):
-            _ext.unscale_into_(s_group, d_group, _on(inv_scale, s_group[0]),
-                               _found_for(found_inf, s_group[0]), accumulate=accumulate)
+            _ext.unscale_into_(_local_shards(s_group), _local_shards(d_group),
+                               _on(inv_scale, s_group[0]), _found_for(found_inf, s_group[0]),
+                               accumulate=accumulate)
     for group in _group_by_device(in_place):
-        _ext.unscale_(group, _on(inv_scale, group[0]), _found_for(found_inf, group[0]))
+        _ext.unscale_(_local_shards(group), _on(inv_scale, group[0]),
+                      _found_for(found_inf, group[0]))
     _merge_device_flags(found_inf)
+
+
+def _local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Kernels get plain tensors: a DTensor gradient (FSDP2) is replaced by its local shard.
+
+    The shard is a view of the DTensor's storage, so in-place results land in the gradient;
+    ranks then agree on the overflow flag through `Amp.synchronize_found_inf`.
+    """
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
 
 # Gradients on other devices than the scaler's (model parallel) get their own flag tensors,
@@ -326,6 +403,11 @@ def note_found_inf(state: OptimizerAmpState, found_inf: torch.Tensor) -> None:
 # -- step hooks ----------------------------------------------------------------------------------
 
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """Decide whether this step is skipped.
+
+    .. note:: Reads the device overflow flag with one `.item()`: the only host sync of a
+       step, and only when a `scale_loss` that checks for overflow ran since the last step.
+    """
     state = amp_state_of(optimizer)
     if state is None:
         return
@@ -349,13 +431,14 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
         return
     state.pending = False
     found = state.found_inf
-    assert found is not None  # set together with pending
+    if found is None:  # pending is only set together with found_inf
+        return
     session = state.session
     skip = bool(found.item())  # the one host sync of a step
     found.zero_()
     if skip:
         state._skip_now = True
-        for param in optimizer_params(optimizer):
+        for param in param_cache(optimizer, state).params:
             param.grad = None
         for loss_id in sorted(state.loss_ids):
             session.scalers[loss_id].report_overflow()
@@ -363,6 +446,7 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
 
 
 def _step_post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """Record the step's result; at O2 copy the masters into the half model parameters."""
     state = amp_state_of(optimizer)
     if state is None:
         return
@@ -372,12 +456,12 @@ def _step_post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict)
     state.steps += 1
     if skipped:
         state.skipped_steps += 1
-    if len(state.masters):
-        pairs = state.masters.pairs()
+    cache = param_cache(optimizer, state)
+    if cache.pairs:
         if not skipped:
             with torch.no_grad():
-                for group in _group_pairs([m for _, m in pairs], [p for p, _ in pairs]):
-                    _ext.copy_(group[0], group[1])
-        for _, master in pairs:  # as apex: master grads are consumed by the step
+                for masters, models in cache.copy_groups:
+                    _ext.copy_(masters, models)
+        for master in cache.masters:  # as apex: master grads are consumed by the step
             master.grad = None
     state.session.record_step(optimizer, state, skipped)

@@ -18,7 +18,7 @@ from typing import Any, Callable, TypeVar
 import torch
 import wrapt
 
-from .casting import WeightCastCache
+from .casting import WeightCastCache, cast_method
 from .lists import ListEntry, Policy, owner_object, resolve
 
 __all__ = [
@@ -160,56 +160,143 @@ class CastConfig:
 
 
 _Converter = Callable[[tuple, dict], "tuple[tuple, dict] | None"]
+_TensorCast = Callable[[torch.Tensor], torch.Tensor]
+_FLOATING = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_PROMOTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+
+def _cast_tree(value: Any, cast: _TensorCast) -> Any:
+    """Apply a tensor cast inside lists, tuples, namedtuples and dicts; `value` if unchanged."""
+    if isinstance(value, _Tensor):
+        return cast(value)
+    cls = type(value)
+    if cls is list or cls is tuple or (isinstance(value, tuple) and hasattr(cls, "_fields")):
+        items = [_cast_tree(v, cast) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return cls(*items) if cls is not list and cls is not tuple else cls(items)
+    if cls is dict:
+        mapped = {k: _cast_tree(v, cast) for k, v in value.items()}
+        return value if all(mapped[k] is v for k, v in value.items()) else mapped
+    return value
+
+
+def _is_container(value: Any) -> bool:
+    return isinstance(value, (list, tuple, dict))
+
+
+def _floating_dtypes(values: Any, eligible: Callable[[torch.Tensor], bool], found: set) -> None:
+    for v in values:
+        if isinstance(v, _Tensor):
+            if v.dtype in _FLOATING and eligible(v):
+                found.add(v.dtype)
+        elif isinstance(v, (list, tuple)):
+            _floating_dtypes(v, eligible, found)
+        elif type(v) is dict:
+            _floating_dtypes(v.values(), eligible, found)
+
+
+def _has_half(values: Any, eligible: Callable[[torch.Tensor], bool]) -> bool:
+    for v in values:
+        if isinstance(v, _Tensor):
+            if v.dtype in _HALF_TYPES and eligible(v):
+                return True
+        elif isinstance(v, (list, tuple)):
+            if _has_half(v, eligible):
+                return True
+        elif type(v) is dict and _has_half(v.values(), eligible):
+            return True
+    return False
 
 
 class Caster:
-    """Builds the argument converters of each policy for one `CastConfig`.
+    """Builds the argument converters and wrappers of each policy for one `CastConfig`.
 
     A converter takes the full positional arguments (self first, for methods) and kwargs, and
-    returns converted ones, or None when nothing needs casting (the common fast path).
+    returns converted ones, or None when nothing needs casting (the common fast path: no
+    tuple is rebuilt). Tensor casts are specialised closures built once per session: the
+    half cast goes through the weight cache for leaf tensors that require grad and for
+    parameters, and float64 tensors are never cast.
     """
 
     def __init__(self, config: CastConfig) -> None:
         self.config = config
         self.cache = WeightCastCache()
         self._eligible = _device_predicate(config.device_types)
-        half = config.dtype
-        self._lower_from = frozenset({torch.float32} | (_HALF_TYPES - {half}))
+        self._converters: dict[tuple[Policy, str], _Converter] = {}
+        self._half_casts: dict[str, _TensorCast] = {}
+        self._dtype_casts: dict[tuple, _TensorCast] = {}
+        self._wrappers: dict[Policy, Callable[..., Any]] = {}
 
-    # -- element casts -------------------------------------------------------------------
-    def _to_half(self, value: Any, name: str) -> Any:
-        if isinstance(value, _Tensor):
-            if value.dtype in self._lower_from and self._eligible(value):
-                if self.config.verbose:
-                    logger.info("%s->%s (%s)", value.dtype, self.config.dtype, name)
-                if value.is_leaf and (value.requires_grad or isinstance(value, _Parameter)):
-                    return self.cache.cast(value, self.config.dtype)
-                return value.to(self.config.dtype)
-            return value
-        if type(value) in (list, tuple):
-            cast = [self._to_half(v, name) for v in value]
-            return value if all(a is b for a, b in zip(cast, value)) else type(value)(cast)
-        return value
+    # -- tensor casts ------------------------------------------------------------------------
+    def half_cast(self, name: str = "") -> _TensorCast:
+        """`tensor -> tensor in the session's half dtype` (cached for weights), for `name`."""
+        cast = self._half_casts.get(name if self.config.verbose else "")
+        if cast is not None:
+            return cast
+        half = self.config.dtype
+        lower_from = frozenset({torch.float32} | (_HALF_TYPES - {half}))
+        eligible = self._eligible
+        cached = self.cache.bind(half)
+        plain = cast_method(half)
+        verbose = self.config.verbose
+        parameter = _Parameter
 
-    def _to_dtype(self, value: Any, dtype: torch.dtype, sources: frozenset, name: str) -> Any:
-        if isinstance(value, _Tensor):
-            if value.dtype in sources and value.dtype != dtype and self._eligible(value):
-                if self.config.verbose:
-                    logger.info("%s->%s (%s)", value.dtype, dtype, name)
-                return value.to(dtype)
-            return value
-        if type(value) in (list, tuple):
-            cast = [self._to_dtype(v, dtype, sources, name) for v in value]
-            return value if all(a is b for a, b in zip(cast, value)) else type(value)(cast)
-        return value
+        def to_half(t: torch.Tensor) -> torch.Tensor:
+            if t.dtype not in lower_from or not eligible(t):
+                return t
+            if verbose:
+                logger.info("%s->%s (%s)", t.dtype, half, name)
+            if t.requires_grad:
+                return cached(t) if t.is_leaf else plain(t)
+            return cached(t) if isinstance(t, parameter) else plain(t)
+
+        self._half_casts[name if verbose else ""] = to_half
+        return to_half
+
+    def dtype_cast(self, dtype: torch.dtype, sources: frozenset, name: str = "") -> _TensorCast:
+        """`tensor -> tensor.to(dtype)` for eligible tensors whose dtype is in `sources`."""
+        key = (dtype, sources, name if self.config.verbose else "")
+        cached = self._dtype_casts.get(key)
+        if cached is None:
+            cached = self._dtype_casts[key] = self._make_dtype_cast(dtype, sources, name)
+        return cached
+
+    def _make_dtype_cast(self, dtype: torch.dtype, sources: frozenset, name: str) -> _TensorCast:
+        sources = sources - {dtype}
+        eligible = self._eligible
+        convert = cast_method(dtype)
+        verbose = self.config.verbose
+
+        def to_dtype(t: torch.Tensor) -> torch.Tensor:
+            if t.dtype not in sources or not eligible(t):
+                return t
+            if verbose:
+                logger.info("%s->%s (%s)", t.dtype, dtype, name)
+            return convert(t)
+
+        return to_dtype
 
     # -- converters ------------------------------------------------------------------------
     def converter(self, policy: Policy, name: str) -> _Converter:
-        """The argument converter implementing `policy` for the function called `name`."""
+        """The argument converter implementing `policy` for the function called `name`.
+
+        Converters are built once per (policy, name) and reused.
+        """
+        # The name only shows in error messages and cast logs: share the rest.
+        named = self.config.verbose or policy in (Policy.INPLACE_FP32_ERROR, Policy.BANNED)
+        key = (policy, name if named else "")
+        convert = self._converters.get(key)
+        if convert is None:
+            convert = self._build(policy, name)
+            self._converters[key] = convert
+        return convert
+
+    def _build(self, policy: Policy, name: str) -> _Converter:
         if policy in (Policy.LOWER, Policy.RNN):
-            return self._map(lambda v: self._to_half(v, name))
+            return _map(self.half_cast(name))
         if policy is Policy.FP32:
-            return self._map(lambda v: self._to_dtype(v, torch.float32, _HALF_TYPES, name))
+            return _map(self.dtype_cast(torch.float32, _HALF_TYPES, name))
         if policy is Policy.PROMOTE:
             return self._promote(name, sequence=False)
         if policy is Policy.SEQUENCE_PROMOTE:
@@ -220,95 +307,135 @@ class Caster:
             return self._inplace_fp32(name)
         if policy is Policy.BANNED:
             return self._banned(name)
+        if policy is Policy.RNN_CHECK:
+            return self._rnn_check()
         raise ValueError(f"ampx: unknown cast policy {policy!r}")
 
-    @staticmethod
-    def _map(cast: Callable[[Any], Any]) -> _Converter:
-        def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            new_args = tuple(cast(a) for a in args)
-            changed = any(a is not b for a, b in zip(new_args, args))
-            if kwargs:
-                new_kwargs = {k: cast(v) for k, v in kwargs.items()}
-                if any(new_kwargs[k] is not v for k, v in kwargs.items()):
-                    return new_args, new_kwargs
-            return (new_args, kwargs) if changed else None
-
-        return convert
-
     def _promote(self, name: str, *, sequence: bool) -> _Converter:
-        def floating_dtypes(values: Any, found: set) -> None:
-            for v in values:
-                if isinstance(v, _Tensor):
-                    if v.is_floating_point():
-                        found.add(v.dtype)
-                elif type(v) in (list, tuple):
-                    floating_dtypes(v, found)
-
-        sources = frozenset({torch.float16, torch.bfloat16, torch.float32})
+        eligible = self._eligible
+        casts = {
+            dtype: self.dtype_cast(dtype, _PROMOTABLE, name)
+            for dtype in (torch.float32, torch.float64)
+        }
 
         def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            scope = args[0] if sequence and args else args
+            if sequence:
+                if not args or not isinstance(args[0], (list, tuple)):
+                    return None
+                scope: Any = args[0]
+            else:
+                # Fast path: the common all-same-dtype call touches no set.
+                first = None
+                for v in args:
+                    if isinstance(v, _Tensor):
+                        dtype = v.dtype
+                        if dtype in _FLOATING:
+                            if first is None:
+                                first = dtype
+                            elif dtype is not first:
+                                break
+                    elif _is_container(v):
+                        break
+                else:
+                    if not kwargs:
+                        return None
+                scope = args
             found: set = set()
-            floating_dtypes(scope, found)
+            _floating_dtypes(scope, eligible, found)
             if not sequence and kwargs:
-                floating_dtypes(kwargs.values(), found)
+                _floating_dtypes(kwargs.values(), eligible, found)
             if len(found) < 2:
                 return None
-            widest = torch.float64 if torch.float64 in found else torch.float32
+            cast = casts[torch.float64 if torch.float64 in found else torch.float32]
             if sequence:
-                seq = [self._to_dtype(v, widest, sources, name) for v in args[0]]
+                seq = _cast_tree(args[0], cast)
                 return (seq, *args[1:]), kwargs
-            new_args = tuple(self._to_dtype(v, widest, sources, name) for a in [args] for v in a)
-            new_kwargs = {k: self._to_dtype(v, widest, sources, name) for k, v in kwargs.items()}
+            new_args = tuple(_cast_tree(v, cast) for v in args)
+            new_kwargs = {k: _cast_tree(v, cast) for k, v in kwargs.items()} if kwargs else kwargs
             return new_args, new_kwargs
 
         return convert
 
     def _inplace_match_self(self, name: str) -> _Converter:
+        eligible = self._eligible
+        casts = {
+            dtype: self.dtype_cast(dtype, _PROMOTABLE, name)
+            for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        }
+
         def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             target = args[0] if args else None
-            if not isinstance(target, _Tensor) or not target.is_floating_point():
+            if not isinstance(target, _Tensor):
                 return None
             dtype = target.dtype
-            sources = frozenset({torch.float16, torch.bfloat16, torch.float32} - {dtype})
-            rest = tuple(self._to_dtype(v, dtype, sources, name) for v in args[1:])
-            new_kwargs = {k: self._to_dtype(v, dtype, sources, name) for k, v in kwargs.items()}
-            return (target, *rest), new_kwargs
+            cast = casts.get(dtype)
+            if cast is None or not eligible(target):
+                return None
+            for v in args[1:]:  # fast path: nothing of another floating type
+                if isinstance(v, _Tensor):
+                    if v.dtype is not dtype and v.dtype in _PROMOTABLE:
+                        break
+                elif _is_container(v):
+                    break
+            else:
+                if not kwargs:
+                    return None
+            return _map(cast)(args, kwargs)
 
         return convert
 
     def _inplace_fp32(self, name: str) -> _Converter:
+        eligible = self._eligible
+        to_float = _map(self.dtype_cast(torch.float32, _HALF_TYPES, name))
+        plain = name.rsplit(".", 1)[-1].strip("_").replace("ipow", "pow").rstrip("_")
+
         def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             target = args[0] if args else None
-            if isinstance(target, _Tensor) and target.dtype in _HALF_TYPES:
+            if isinstance(target, _Tensor) and target.dtype in _HALF_TYPES and eligible(target):
                 raise CastError(
                     f"ampx: cannot call in-place {name} on a {target.dtype} tensor under O1: "
-                    f"{name.rstrip('_')} runs in float32, and the result cannot be stored back "
-                    f"in half precision. Use the out-of-place form (x = x.{name.rstrip('_')}()) "
-                    "or call it inside ampx.disable_casts()."
+                    f"{plain} runs in float32 under O1, and the float32 result cannot be stored "
+                    f"back in place. Use the out-of-place {plain} (x = x.{plain}(...)), or call "
+                    "it inside ampx.disable_casts()."
                 )
-            rest = tuple(self._to_dtype(v, torch.float32, _HALF_TYPES, name) for v in args[1:])
-            return (target, *rest), kwargs
+            return to_float(args, kwargs)
 
         return convert
 
     def _banned(self, name: str) -> _Converter:
-        to_float = self._map(lambda v: self._to_dtype(v, torch.float32, _HALF_TYPES, name))
-
-        def has_half(values: Any) -> bool:
-            for v in values:
-                if isinstance(v, _Tensor) and v.dtype in _HALF_TYPES:
-                    return True
-                if type(v) in (list, tuple) and has_half(v):
-                    return True
-            return False
+        eligible = self._eligible
+        to_float = _map(self.dtype_cast(torch.float32, _HALF_TYPES, name))
+        allow = self.config.allow_banned
 
         def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            if not (has_half(args) or has_half(kwargs.values())):
+            if not (_has_half(args, eligible) or (kwargs and _has_half(kwargs.values(), eligible))):
                 return None
-            if not self.config.allow_banned:
+            if not allow:
                 raise CastError(_BANNED_MESSAGE.format(name=name))
             return to_float(args, kwargs)
+
+        return convert
+
+    def _rnn_check(self) -> _Converter:
+        # RNNBase.check_input(self, input, batch_sizes) rejects an input whose dtype differs
+        # from the fp32 weights unless torch.autocast is on; under O1 the _VF entry points
+        # cast both, so the check sees a stand-in of the weights' dtype (no data).
+        eligible = self._eligible
+        convertible = _PROMOTABLE
+
+        def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if len(args) < 2:
+                return None
+            module, data = args[0], args[1]
+            weights = getattr(module, "_flat_weights", None)
+            if not isinstance(data, _Tensor) or not weights:
+                return None
+            wdtype = weights[0].dtype
+            if (data.dtype is wdtype or data.dtype not in convertible
+                    or wdtype not in convertible or not eligible(data)):
+                return None
+            stand_in = torch.empty(data.shape, dtype=wdtype, device="meta")
+            return (module, stand_in, *args[2:]), kwargs
 
         return convert
 
@@ -320,15 +447,37 @@ class Caster:
         For methods, wrapt passes `self` as `instance` (also when called through the class),
         and the unbound `original` is called with the converted self.
         """
-        convert = self.converter(policy, name)
-        disabled = _CASTS_DISABLED.get
+        if not method and not self.config.verbose and policy not in (
+                Policy.INPLACE_FP32_ERROR, Policy.BANNED):
+            # Function wrappers don't depend on the function: share one per policy (fewer
+            # objects per initialize, so less garbage-collector work).
+            shared = self._wrappers.get(policy)
+            if shared is None:
+                shared = self._wrappers[policy] = self._function_wrapper(
+                    original, policy, name, method=False)
+            return shared
+        return self._function_wrapper(original, policy, name, method=method)
 
+    def _function_wrapper(self, original: Any, policy: Policy, name: str,
+                          *, method: bool) -> Callable[..., Any]:
+        disabled = _CASTS_DISABLED.get
+        if policy in (Policy.LOWER, Policy.RNN, Policy.FP32):
+            # The hot path (F.linear, matmul, softmax...): one specialised closure, no tuple
+            # rebuilt when nothing changes.
+            if policy is Policy.FP32:
+                cast = self.dtype_cast(torch.float32, _HALF_TYPES, name)
+            else:
+                cast = self.half_cast(name)
+            if method:
+                return _map_method_wrapper(original, cast, disabled)
+            return _map_function_wrapper(cast, disabled)
+
+        convert = self.converter(policy, name)
         if method:
             def cast_method(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
                 if disabled():
                     return wrapped(*args, **kwargs)
-                full = (instance, *args)
-                converted = convert(full, kwargs)
+                converted = convert((instance, *args), kwargs)
                 if converted is None:
                     return wrapped(*args, **kwargs)
                 return original(*converted[0], **converted[1])
@@ -346,13 +495,102 @@ class Caster:
         return cast_function
 
 
+def _map(cast: _TensorCast) -> _Converter:
+    """A converter applying `cast` to every floating tensor (nested ones too)."""
+
+    def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        new: list | None = None
+        for i, a in enumerate(args):
+            if isinstance(a, _Tensor):
+                c = cast(a)
+            elif _is_container(a):
+                c = _cast_tree(a, cast)
+            else:
+                continue
+            if c is not a:
+                if new is None:
+                    new = list(args)
+                new[i] = c
+        if kwargs:
+            new_kwargs = None
+            for k, v in kwargs.items():
+                c = _cast_tree(v, cast)
+                if c is not v:
+                    if new_kwargs is None:
+                        new_kwargs = dict(kwargs)
+                    new_kwargs[k] = c
+            if new_kwargs is not None:
+                return (args if new is None else tuple(new)), new_kwargs
+        return None if new is None else (tuple(new), kwargs)
+
+    return convert
+
+
+def _map_function_wrapper(cast: _TensorCast, disabled: Callable[[], bool]) -> Callable[..., Any]:
+    convert = _map(cast)
+
+    def cast_function(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if disabled():
+            return wrapped(*args, **kwargs)
+        if kwargs:
+            converted = convert(args, kwargs)
+            if converted is None:
+                return wrapped(*args, **kwargs)
+            return wrapped(*converted[0], **converted[1])
+        # Inlined _map for the common all-positional call (F.linear(x, w, b)).
+        new: list | None = None
+        i = 0
+        for a in args:
+            if isinstance(a, _Tensor):
+                c = cast(a)
+            elif isinstance(a, (list, tuple, dict)):
+                c = _cast_tree(a, cast)
+            else:
+                i += 1
+                continue
+            if c is not a:
+                if new is None:
+                    new = list(args)
+                new[i] = c
+            i += 1
+        return wrapped(*args) if new is None else wrapped(*new)
+
+    return cast_function
+
+
+def _map_method_wrapper(original: Any, cast: _TensorCast,
+                        disabled: Callable[[], bool]) -> Callable[..., Any]:
+    convert = _map(cast)
+
+    def cast_method(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if disabled():
+            return wrapped(*args, **kwargs)
+        this = cast(instance) if isinstance(instance, _Tensor) else instance
+        converted = convert(args, kwargs) if (args or kwargs) else None
+        if converted is None:
+            if this is instance:
+                return wrapped(*args, **kwargs)
+            return original(this, *args, **kwargs)
+        return original(this, *converted[0], **converted[1])
+
+    return cast_method
+
+
 def _device_predicate(device_types: frozenset[str]) -> Callable[[torch.Tensor], bool]:
     # The common single-device cases use the cheap is_cpu/is_cuda properties.
     if device_types == frozenset({"cpu"}):
-        return lambda t: t.is_cpu
+        return _is_cpu
     if device_types == frozenset({"cuda"}):
-        return lambda t: t.is_cuda
+        return _is_cuda
     return lambda t: t.device.type in device_types
+
+
+def _is_cpu(t: torch.Tensor) -> bool:
+    return t.is_cpu
+
+
+def _is_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda
 
 
 class O1Patches:
@@ -371,16 +609,25 @@ class O1Patches:
     def _patch(self, owner: Any, name: str, policy: Policy, label: str) -> None:
         original = self.patches.original(owner, name)
         method = isinstance(owner, type)
-        wrapper = self.caster.function_wrapper(original, policy, label, method=method)
-        self.patches.apply(owner, name, wrapt.FunctionWrapper(original, wrapper))
+        static = method and isinstance(_class_attribute(owner, name), staticmethod)
+        wrapper = self.caster.function_wrapper(original, policy, label,
+                                               method=method and not static)
+        replacement: Any = wrapt.FunctionWrapper(original, wrapper)
+        if static:
+            replacement = staticmethod(replacement)
+        self.patches.apply(owner, name, replacement)
 
     def install(self, entries: list[ListEntry]) -> None:
-        """Apply every list entry and user registration; all or nothing."""
+        """Apply every list entry, then every user registration; all or nothing.
+
+        A registration of a name that a list already patched replaces that patch (it
+        wraps the original, never the list's wrapper).
+        """
         try:
             for entry in entries:
                 self._patch(owner_object(entry.owner), entry.name, entry.policy,
                             f"{entry.owner}.{entry.name}")
-            for owner, name, policy in _USER_REGISTRY.values():
+            for owner, name, policy in list(_USER_REGISTRY.values()):
                 self._patch(owner, name, policy, f"{_owner_label(owner)}.{name}")
         except BaseException:
             self.patches.restore()
@@ -407,11 +654,22 @@ def active() -> O1Patches | None:
 
 
 def activate(config: CastConfig) -> O1Patches:
-    """Install the O1 patches for `config`, replacing any previous installation cleanly."""
+    """Install the O1 patches for `config`, replacing any previous installation cleanly.
+
+    All or nothing: if installing fails, the previous installation (if any) is put back and
+    torch's namespaces are as they were before the call.
+    """
     global _ACTIVE
+    previous = _ACTIVE
     deactivate()
     patches = O1Patches(config)
-    patches.install(resolve())
+    try:
+        patches.install(resolve())
+    except BaseException:
+        if previous is not None:
+            previous.install(resolve())
+            _ACTIVE = previous
+        raise
     _ACTIVE = patches
     logger.debug("ampx: installed %d O1 patches (%s)", len(patches.patches), config.dtype)
     return patches
@@ -433,6 +691,14 @@ def clear_cache() -> None:
 
 def _owner_label(owner: Any) -> str:
     return getattr(owner, "__name__", type(owner).__name__)
+
+
+def _class_attribute(cls: type, name: str) -> Any:
+    """The raw attribute (descriptor) `cls.name` resolves to, or None."""
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            return vars(klass)[name]
+    return None
 
 
 def _register(module: Any, name: str, policy: Policy) -> None:
@@ -471,12 +737,17 @@ def register_promote_function(module: Any, name: str) -> None:
 def _decorator(policy: Policy) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         label = getattr(fn, "__qualname__", repr(fn))
+        # (caster, converter) of the session that last called it: built once per session.
+        memo: list[Any] = [None, None]
 
         def apply_policy(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
             patches = _ACTIVE
             if patches is None or _CASTS_DISABLED.get():
                 return wrapped(*args, **kwargs)
-            converted = patches.caster.converter(policy, label)(args, kwargs)
+            caster = patches.caster
+            if memo[0] is not caster:
+                memo[0], memo[1] = caster, caster.converter(policy, label)
+            converted = memo[1](args, kwargs)
             if converted is None:
                 return wrapped(*args, **kwargs)
             return wrapped(*converted[0], **converted[1])

@@ -1,9 +1,16 @@
 """LossScaler: dynamic or static loss scaling with device-side state.
 
 The scale, growth tracker and hysteresis tracker live on the gradients' device and are updated
-there by the kernel contract's `update_scale_`, so scaling never waits for the host. Reading a
-value as a Python number (`loss_scale()`, the apex-style `_loss_scale` attribute, `state_dict()`)
-synchronises once.
+there by the kernel contract's `update_scale_`, so scaling never waits for the host.
+
+Host synchronisation, all of it:
+
+- none while scaling, unscaling and updating (`scale_loss_value`, `inv_scale`, `update_`);
+- one `.item()` per optimizer step, in the optimizer's step pre-hook (ampx.optimizer), to
+  decide whether the step is skipped; on clean steps that is the only one;
+- on skipped steps only, `report_overflow` reads the flag and the old and new scale to log;
+- reading a value as a Python number (`loss_scale()`, the apex-style `_loss_scale` and
+  `_unskipped` attributes, `state_dict()`) synchronises once per call.
 """
 
 from __future__ import annotations
@@ -24,8 +31,15 @@ __all__ = ["LossScaler", "STATE_VERSION"]
 logger = logging.getLogger("ampx")
 
 STATE_VERSION = 1
+# Saved for information and mismatch reports; the session's configuration stays in force.
+_POLICY_FIELDS = ("hysteresis", "growth_factor", "backoff_factor", "growth_interval",
+                  "min_loss_scale", "max_loss_scale")
 _STATIC_INTERVAL = 2**31 - 1  # a static scaler never grows; it only counts clean steps
 _LOG_INTERVAL_S = 30.0  # overflow messages after the first few are rate-limited to this
+_LOG_FIRST = 3  # overflow messages always logged before rate limiting starts
+# Without a min_loss_scale the scale still never reaches 0 (apex's halving ran into 0, after
+# which the unscale multiplied by inf and every later step was NaN).
+_TINY_SCALE = 2.0**-126
 
 
 class LossScaler:
@@ -35,7 +49,11 @@ class LossScaler:
     `backoff_factor` on an overflow (after `hysteresis` consecutive overflows), multiply by
     `growth_factor` after `growth_interval` clean steps, and stay within
     [`min_loss_scale`, `max_loss_scale`]. A static scaler keeps its scale and counts clean
-    steps as apex did.
+    steps as apex did; with `skip_non_finite` (the bf16 default) its steps are still skipped
+    on inf/NaN gradients, without changing the scale.
+
+    State lives on `device` (moved to the gradients' device at initialize); see the module
+    docstring for the one host sync per step.
 
     Args:
         loss_scale: "dynamic" or a static positive float.
@@ -86,6 +104,7 @@ class LossScaler:
         self._hysteresis_tracker = torch.full((1,), self.hysteresis, dtype=torch.int32,
                                               device=device)
         self._overflows_since_report = torch.zeros(1, dtype=torch.float32, device=device)
+        self._scale_before_overflow = self._scale.clone()
         self._last_log = -math.inf
         self._suppressed = 0
         self._floor_warned = False
@@ -101,7 +120,7 @@ class LossScaler:
         """Move the state to `device` (done once, on first use with the gradients' device)."""
         if device != self._scale.device:
             for name in ("_scale", "_growth_tracker", "_hysteresis_tracker",
-                         "_overflows_since_report"):
+                         "_overflows_since_report", "_scale_before_overflow"):
                 setattr(self, name, getattr(self, name).to(device))
 
     # -- the hot path (no host sync) ------------------------------------------------------
@@ -122,12 +141,16 @@ class LossScaler:
     def update_(self, found_inf: torch.Tensor) -> None:
         """Update the scale after one backward pass; `found_inf` is a float32 [1] flag."""
         found = found_inf if found_inf.device == self.device else found_inf.to(self.device)
+        # remember the scale in force before the first overflow not yet reported (for the log)
+        torch.where(self._overflows_since_report > 0, self._scale_before_overflow, self._scale,
+                    out=self._scale_before_overflow)
         torch.maximum(self._overflows_since_report, found, out=self._overflows_since_report)
         if self.dynamic:
+            floor = self.min_loss_scale if self.min_loss_scale is not None else _TINY_SCALE
             _ext.update_scale_(
                 self._scale, self._growth_tracker, self._hysteresis_tracker, found,
                 self.growth_factor, self.backoff_factor, self.growth_interval, self.hysteresis,
-                self.min_loss_scale or 0.0, self.max_loss_scale,
+                floor, self.max_loss_scale,
             )
         else:
             _ext.update_scale_(
@@ -139,29 +162,40 @@ class LossScaler:
     def report_overflow(self) -> None:
         """Log an overflow seen at step time, rate-limited, and warn at the floor.
 
-        .. note:: Reads the scale: one host sync, only on steps that overflowed.
+        The first few overflows are logged (logger "ampx", INFO) with the loss id, the old and
+        the new scale; later ones at most once per 30 s, with a count of the suppressed ones.
+        A WARNING is logged once each time a dynamic scale reaches its floor.
+
+        .. note:: Reads the flag and the scales: host syncs, only on steps that overflowed.
         """
         if not bool(self._overflows_since_report.item()):
             return
         self._overflows_since_report.zero_()
         self.overflow_count += 1
+        old_scale = float(self._scale_before_overflow.item())
         new_scale = self.loss_scale()
         now = time.monotonic()
-        if self.overflow_count <= 3 or now - self._last_log >= _LOG_INTERVAL_S:
+        if self.overflow_count <= _LOG_FIRST or now - self._last_log >= _LOG_INTERVAL_S:
             extra = f" ({self._suppressed} similar messages suppressed)" if self._suppressed else ""
-            if self.dynamic:
+            if not self.dynamic:
+                logger.info("Non-finite gradients.  Skipping step, loss scaler %d keeps its "
+                            "static loss scale %s%s", self.loss_id, new_scale, extra)
+            elif new_scale < old_scale:
                 logger.info(
-                    "Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to %s%s",
-                    self.loss_id, new_scale, extra,
+                    "Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to "
+                    "%s (was %s)%s", self.loss_id, new_scale, old_scale, extra,
                 )
             else:
-                logger.info("Non-finite gradients.  Skipping step, loss scaler %d (static "
-                            "scale %s)%s", self.loss_id, new_scale, extra)
+                logger.info(
+                    "Gradient overflow.  Skipping step, loss scaler %d keeps loss scale %s "
+                    "(hysteresis=%d: more overflows are tolerated before backing off)%s",
+                    self.loss_id, new_scale, self.hysteresis, extra,
+                )
             self._last_log, self._suppressed = now, 0
         else:
             self._suppressed += 1
-        floor = self.min_loss_scale
-        at_floor = (floor is not None and new_scale <= floor) or new_scale < 2.0**-24
+        floor = self.min_loss_scale if self.min_loss_scale is not None else _TINY_SCALE
+        at_floor = new_scale <= floor
         if self.dynamic and at_floor and not self._floor_warned:
             self._floor_warned = True
             logger.warning(
@@ -265,15 +299,60 @@ class LossScaler:
                 f"got {unskipped!r}."
             )
         version = state.get("version", 0)
-        if not isinstance(version, int) or version > STATE_VERSION:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(
+                f"ampx.load_state_dict: {key}['version'] must be a non-negative int; "
+                f"got {version!r}."
+            )
+        if version > STATE_VERSION:
             raise ValueError(
                 f"ampx.load_state_dict: {key}['version']={version!r} is newer than this ampx "
                 f"understands ({STATE_VERSION}); upgrade ampx."
             )
+        dynamic = state.get("dynamic")
+        if dynamic is not None and not isinstance(dynamic, bool):
+            raise ValueError(f"ampx.load_state_dict: {key}['dynamic'] must be a bool; "
+                             f"got {dynamic!r}.")
         tracker = state.get("hysteresis_tracker")
-        if tracker is not None and (isinstance(tracker, bool) or not isinstance(tracker, int)):
-            raise ValueError(f"ampx.load_state_dict: {key}['hysteresis_tracker'] must be an int.")
+        if tracker is not None and (isinstance(tracker, bool) or not isinstance(tracker, int)
+                                    or tracker < 0):
+            raise ValueError(f"ampx.load_state_dict: {key}['hysteresis_tracker'] must be a "
+                             f"non-negative int; got {tracker!r}.")
+        for field in _POLICY_FIELDS:
+            value = state.get(field)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float))):
+                raise ValueError(f"ampx.load_state_dict: {key}[{field!r}] must be a number; "
+                                 f"got {value!r}.")
         return dict(state, loss_scale=float(scale))
+
+    def check_state(self, state: Any, key: str = "loss_scaler") -> dict[str, Any]:
+        """Validate an entry for this scaler without applying it.
+
+        Returns:
+            The entry as a dict, ready for `load_state_dict`.
+
+        Raises:
+            ValueError: Naming the key, for a malformed entry or one saved by a scaler of the
+                other kind (dynamic vs static).
+        """
+        checked = self.validate_state(state, key)
+        dynamic = checked.get("dynamic")
+        if dynamic is not None and dynamic != self.dynamic:
+            saved = "dynamic" if dynamic else f"static (loss_scale={checked['loss_scale']})"
+            mine = "dynamic" if self.dynamic else f"static (loss_scale={self.loss_scale()})"
+            raise ValueError(
+                f"ampx.load_state_dict: {key} was saved by a {saved} loss scaler, but loss "
+                f"scaler {self.loss_id} of this session is {mine}. Initialize with the same "
+                "loss_scale and dtype as the run that saved it, or don't load the amp state "
+                "to start scaling afresh."
+            )
+        differs = {f: checked[f] for f in _POLICY_FIELDS
+                   if f in checked and checked[f] != getattr(self, f)}
+        if differs and self.dynamic:
+            logger.info("ampx.load_state_dict: %s was saved with %s; keeping this session's "
+                        "settings.", key, differs)
+        return checked
 
     def load_state_dict(self, state: Mapping[str, Any], key: str = "loss_scaler") -> None:
         """Load an entry made by `state_dict()` or by apex (`loss_scale`, `unskipped` only).
@@ -282,10 +361,13 @@ class LossScaler:
         configured with; the checkpoint restores the trajectory (scale and counters).
 
         Raises:
-            ValueError: Naming the key, for a malformed entry; nothing is changed then.
+            ValueError: Naming the key, for a malformed or mismatched entry; nothing is
+                changed then.
         """
-        checked = self.validate_state(state, key)
+        checked = self.check_state(state, key)
         self._scale.fill_(checked["loss_scale"])
         self._growth_tracker.fill_(checked["unskipped"])
         tracker = checked.get("hysteresis_tracker")
         self._hysteresis_tracker.fill_(self.hysteresis if tracker is None else tracker)
+        self._overflows_since_report.zero_()
+        self._scale_before_overflow.copy_(self._scale)

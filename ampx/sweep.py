@@ -275,11 +275,10 @@ def summarize(row: Row, init: Optional[dict[str, Any]], steps: list[dict[str, An
     row.step_time_s = statistics.median(times) if times else None
     mems = [int(r["peak_mem_bytes"]) for r in steps if _finite(r.get("peak_mem_bytes"))]
     row.peak_mem_bytes = max(mems) if mems else None
-    tail = losses[-max(1, len(losses) // 10):]
-    if any(loss is not None for loss in tail):
-        values = [float(loss) if loss is not None else math.nan for loss in tail]
-        row.final_loss = math.fsum(values) / len(values) if all(map(math.isfinite, values)) \
-            else next((v for v in reversed(values) if not math.isfinite(v)), math.nan)
+    tail = [float(v) for v in losses[-max(1, len(losses) // 10):] if v is not None]
+    if tail:
+        bad = [v for v in tail if not math.isfinite(v)]
+        row.final_loss = bad[-1] if bad else math.fsum(tail) / len(tail)
     row.skipped = sum(row.series["skipped"])
     scale = steps[-1].get("loss_scale")
     row.final_scale = float(scale) if isinstance(scale, (int, float)) else None

@@ -14,9 +14,9 @@
 //     separately (the build passes -ffp-contract=off: no fused multiply-add), then
 //     rounded to the output dtype with round-to-nearest-even;
 //   * unscale_ with inv_scale == 1 leaves the values untouched (as torch does);
-//   * l2norm squares in float32 (so a square that overflows float32 is inf, as in
-//     torch's float32 norm), sums blocks of squares in float32 and blocks in float64,
-//     and rounds each tensor's sum of squares to float32 before the square root.
+//   * l2norm squares and sums in float64 and rounds sqrt(sum) to float32 once, per
+//     tensor and for the total (the sum over all tensors' float64 sums of squares);
+//     the reference computes torch._foreach_norm(..., dtype=torch.float64).
 //
 // The instruction set is fixed at compile time by ampx/_build.py (CPU_CAPABILITY_*
 // macros and -m flags); cpu_capability() reports it.
@@ -49,7 +49,7 @@ static_assert(at::vec::Vectorized<at::Half>::size() == kStep,
               "ampx assumes Vectorized<Half> holds two float vectors");
 static_assert(at::vec::Vectorized<at::BFloat16>::size() == kStep,
               "ampx assumes Vectorized<BFloat16> holds two float vectors");
-static_assert(kChunk % (8 * kStep) == 0, "kChunk must be a multiple of the l2norm block");
+static_assert(kChunk % kStep == 0, "kChunk must be a multiple of the vector step");
 
 // ---- load/store kStep elements as two float vectors ----
 template <typename T>
@@ -278,31 +278,37 @@ void copy_item_s(const S* s, char* d, Kind dk, int64_t n) {
 }
 
 // ---- l2norm ----
+// Squares and sums in float64 (kStep independent accumulators, which the compiler
+// vectorises), so the result is accurate to float32 rounding whatever the length
+// and never overflows before the final rounding to float32.
 template <typename T>
 double sumsq_span(const T* p, int64_t n) {
-  constexpr int64_t kBlock = 8 * kStep;
-  double total = 0.0;
+  double acc[kStep] = {};
+  alignas(64) float buf[kStep];
   int64_t i = 0;
-  alignas(64) float buf[kVF];
-  for (; i + kBlock <= n; i += kBlock) {
-    Vf acc0(0.f), acc1(0.f), acc2(0.f), acc3(0.f);
-    for (int64_t j = 0; j < kBlock; j += 2 * kStep) {
-      Vf a, b, c, e;
-      Io<T>::load(p + i + j, a, b);
-      Io<T>::load(p + i + j + kStep, c, e);
-      acc0 = acc0 + a * a;
-      acc1 = acc1 + b * b;
-      acc2 = acc2 + c * c;
-      acc3 = acc3 + e * e;
+  for (; i + kStep <= n; i += kStep) {
+    const float* f = nullptr;
+    if constexpr (std::is_same_v<T, float>) {
+      f = p + i;
+    } else {
+      Vf a, b;
+      Io<T>::load(p + i, a, b);
+      a.store(buf);
+      b.store(buf + kVF);
+      f = buf;
     }
-    ((acc0 + acc1) + (acc2 + acc3)).store(buf);
-    for (int64_t k = 0; k < kVF; ++k) {
-      total += static_cast<double>(buf[k]);
+    for (int64_t k = 0; k < kStep; ++k) {
+      const double v = static_cast<double>(f[k]);
+      acc[k] += v * v;
     }
   }
+  double total = 0.0;
+  for (int64_t k = 0; k < kStep; ++k) {
+    total += acc[k];
+  }
   for (; i < n; ++i) {
-    const float v = to_float(p[i]);
-    total += static_cast<double>(v * v);
+    const double v = static_cast<double>(to_float(p[i]));
+    total += v * v;
   }
   return total;
 }
@@ -410,11 +416,11 @@ std::tuple<at::Tensor, at::Tensor> l2norm_cpu(const TensorList& tensors, bool pe
   for (size_t t = 0; t < sums.size(); ++t) {
     all += sums[t];
     if (per_tensor) {
-      out[t] = std::sqrt(static_cast<float>(sums[t]));
+      out[t] = static_cast<float>(std::sqrt(sums[t]));
     }
   }
   at::Tensor result = at::empty({}, opts);
-  result.data_ptr<float>()[0] = std::sqrt(static_cast<float>(all));
+  result.data_ptr<float>()[0] = static_cast<float>(std::sqrt(all));
   return {result, norms};
 }
 

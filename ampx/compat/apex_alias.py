@@ -131,7 +131,7 @@ def real_apex_spec() -> importlib.machinery.ModuleSpec | None:
         except (ImportError, ValueError):
             continue
         if found is not None:
-            return found  # type: ignore[no-any-return]
+            return found
     return None
 
 

@@ -14,7 +14,7 @@ LOWER: tuple[str, ...] = (
 FP32: tuple[str, ...] = (
     "interpolate", "grid_sample", "softplus", "softmin", "log_softmax", "softmax",
     "gelu", "layer_norm", "group_norm", "local_response_norm", "rms_norm", "normalize",
-    "cosine_similarity", "pdist",
+    "cosine_similarity", "pairwise_distance", "pdist",
     "poisson_nll_loss", "gaussian_nll_loss", "cosine_embedding_loss", "cross_entropy",
     "hinge_embedding_loss", "kl_div", "l1_loss", "mse_loss", "huber_loss",
     "margin_ranking_loss", "multilabel_margin_loss", "multilabel_soft_margin_loss",

@@ -20,7 +20,12 @@ FP32: tuple[str, ...] = (
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log1p", "log2",
     "reciprocal", "rsqrt", "sinh", "tan", "pow",
     "cumprod", "cumsum", "dist", "norm", "prod", "std", "sum", "var", "renorm",
-    "softmax", "log_softmax", "layer_norm", "group_norm", "logsumexp", "cdist",
+    "softmax", "log_softmax", "layer_norm", "group_norm", "rms_norm", "logsumexp",
+    "cdist", "pdist", "cosine_similarity", "nuclear_norm", "frobenius_norm",
+    "std_mean", "var_mean",
+    # losses reachable as torch.* (their F.* twins are on the functional list)
+    "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss", "cosine_embedding_loss",
+    "hinge_embedding_loss", "margin_ranking_loss", "triplet_margin_loss", "ctc_loss",
 )
 
 # Mixed floating inputs are cast to the widest floating type among them.
@@ -31,6 +36,8 @@ PROMOTE: tuple[str, ...] = (
 )
 
 # Like PROMOTE, over the tensors of the first (sequence) argument.
-SEQUENCE_PROMOTE: tuple[str, ...] = ("cat", "concat", "concatenate", "stack", "hstack", "vstack")
+SEQUENCE_PROMOTE: tuple[str, ...] = (
+    "cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack", "column_stack",
+)
 
 BANNED: tuple[str, ...] = ()

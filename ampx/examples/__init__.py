@@ -1,0 +1,118 @@
+"""Built-in example training scripts, written as legacy apex scripts (`from apex import amp`).
+
+They are what `ampx sweep` runs when no script is given; each is also a plain script::
+
+    ampx run -O O2 --dtype bf16 ampx/examples/transformer_lm.py --steps 20
+
+Both train on synthetic data with a fixed seed, take `--steps`, `--opt-level`, `--seed` and
+`--autocast` (a plain torch.autocast + GradScaler loop, the sweep's `autocast` row), and run on
+CUDA when it is available, else on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["EXAMPLES", "AutocastRecorder", "Example", "example_path"]
+
+_HERE = Path(__file__).resolve().parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """A built-in example.
+
+    Attributes:
+        name: What `ampx sweep --example` takes.
+        filename: The script inside `ampx/examples/`.
+        description: One line for `--help`.
+        default_steps: Steps per configuration in `ampx sweep`.
+    """
+
+    name: str
+    filename: str
+    description: str
+    default_steps: int
+
+    @property
+    def path(self) -> Path:
+        """Absolute path of the script."""
+        return _HERE / self.filename
+
+
+EXAMPLES: dict[str, Example] = {
+    "transformer": Example(
+        "transformer", "transformer_lm.py",
+        "4-layer transformer language model (d_model 512, seq 128) on a synthetic Markov chain",
+        40,
+    ),
+    "convnet": Example(
+        "convnet", "convnet.py",
+        "small convnet with batchnorm on synthetic 32x32 images (10 classes)",
+        60,
+    ),
+}
+
+
+def example_path(name: str) -> Path:
+    """The path of a built-in example script.
+
+    Args:
+        name: "transformer" or "convnet".
+
+    Raises:
+        ValueError: For an unknown name.
+    """
+    try:
+        return EXAMPLES[name].path
+    except KeyError:
+        raise ValueError(
+            f"ampx.examples: unknown example {name!r}; choose from {sorted(EXAMPLES)}."
+        ) from None
+
+
+class AutocastRecorder:
+    """Telemetry for the examples' plain torch.autocast loop, in ampx's record format.
+
+    ampx writes telemetry from `initialize` and the optimizer's step hooks; the autocast loop
+    uses neither, so the examples call this after each step instead. Does nothing when
+    AMPX_TELEMETRY is unset.
+
+    Args:
+        dtype: The autocast dtype.
+        scaler: The loop's GradScaler (its scale is recorded).
+        device: The model's device (for the peak-memory reading).
+    """
+
+    def __init__(self, dtype: torch.dtype, scaler: torch.amp.GradScaler,
+                 device: torch.device) -> None:
+        from ampx import telemetry
+
+        self._sink = telemetry.sink()
+        self._scaler = scaler
+        self._device = device
+        self._last = time.perf_counter()
+        if self._sink is not None:
+            self._sink.emit(
+                "init", opt_level="autocast", dtype=str(dtype).replace("torch.", ""),
+                loss_scale="dynamic" if scaler.is_enabled() else 1.0,
+                properties={"autocast": True}, requested={}, forced={},
+            )
+
+    def step(self, loss: torch.Tensor, *, skipped: bool = False,
+             loss_value: Optional[float] = None) -> None:
+        """Record one optimizer step (call it after `scaler.update()`)."""
+        now = time.perf_counter()
+        if self._sink is not None:
+            self._sink.step(
+                optimizer=0, step_time_s=now - self._last,
+                loss=float(loss.detach().float().item()) if loss_value is None else loss_value,
+                loss_scale=float(self._scaler.get_scale()) if self._scaler.is_enabled() else 1.0,
+                skipped=skipped, device=self._device,
+            )
+        self._last = now

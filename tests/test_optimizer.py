@@ -1,0 +1,246 @@
+"""The optimizer stays itself: identity, class, state dicts, LR schedulers, fused/foreach, O2."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import ampx
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread is faster and immune to OpenMP spinning on a busy box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)
+
+
+def step(model, opt, *, seed=1, overflow=False, set_to_none=True):
+    x, y = batch(seed)
+    opt.zero_grad(set_to_none=set_to_none)
+    loss = nn.functional.mse_loss(model(x).float(), y)
+    with ampx.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+        if overflow:
+            next(p for p in model.parameters() if p.grad is not None).grad.fill_(float("nan"))
+    opt.step()
+    return loss.item()
+
+
+def test_same_object_same_class_step_not_replaced(half_dtype):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step_fn = type(opt).step
+    model2, opt2 = ampx.initialize(model, opt, opt_level="O2", dtype=half_dtype, verbosity=0)
+    assert opt2 is opt and model2 is model
+    assert type(opt) is torch.optim.AdamW and isinstance(opt, torch.optim.AdamW)
+    assert "step" not in vars(opt) and "zero_grad" not in vars(opt)
+    assert type(opt).step is step_fn
+
+
+def test_master_params_valid_right_after_initialize(half_dtype):
+    model = mlp()
+    originals = list(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampx.initialize(model, opt, opt_level="O2", dtype=half_dtype, verbosity=0)
+    masters = list(ampx.master_params(opt))
+    assert all(m is o for m, o in zip(masters, originals))  # the user's fp32 Parameters
+    assert all(m.dtype == torch.float32 for m in masters)
+    halves = [p for p in model.parameters() if p.dtype == half_dtype]
+    assert len(halves) == 4  # the two Linear layers; batchnorm stays fp32
+    assert isinstance(model[1].weight, nn.Parameter) and model[1].weight.dtype == torch.float32
+
+
+def test_o2_many_steps_masters_fp32_model_half(half_dtype):
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = ampx.initialize(model, opt, opt_level="O2", dtype=half_dtype, verbosity=0)
+    for i in range(30):
+        step(model, opt, seed=i)
+    masters = list(ampx.master_params(opt))
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
+    pairs = opt._ampx.masters.pairs()
+    assert len(pairs) == 4
+    for half, master in pairs:
+        assert half.dtype == half_dtype
+        assert torch.equal(half, master.to(half_dtype))  # copied after every step
+        assert half.grad is None
+    sd = model.state_dict()
+    assert all(v.dtype == torch.float32 for k, v in sd.items() if v.is_floating_point())
+    for (name, _), master in zip(model.named_parameters(), masters):
+        assert torch.equal(sd[name], master)  # lossless: the masters themselves
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_optimizer_state_dict_round_trip(level, half_dtype):
+    def make():
+        torch.manual_seed(0)
+        model = mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return ampx.Amp(level, dtype=half_dtype, verbosity=0).initialize(model, opt)
+
+    model_a, opt_a = make()
+    for i in range(3):
+        step(model_a, opt_a, seed=i)
+    model_b, opt_b = make()
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    model_b.load_state_dict(model_a.state_dict())
+    assert opt_b.state_dict()["param_groups"] == opt_a.state_dict()["param_groups"]
+    step(model_a, opt_a, seed=9)
+    step(model_b, opt_b, seed=9)
+    for p, q in zip(ampx.master_params(opt_a), ampx.master_params(opt_b)):
+        assert torch.equal(p, q)
+
+
+def test_state_and_scheduler_created_before_initialize_keep_driving_it(half_dtype):
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    x, y = batch()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()  # state created before initialize (fp32, keyed by the fp32 params)
+    sched.step()
+    model, opt2 = ampx.initialize(model, opt, opt_level="O2", dtype=half_dtype, verbosity=0,
+                                  init_scale=2.0**8)
+    assert opt2 is opt
+    for i in range(5):
+        step(model, opt, seed=i, overflow=(i == 1))
+        sched.step()
+    assert sched.last_epoch == 6 and opt.param_groups[0]["lr"] == pytest.approx(0.00125)
+    assert all(int(s["step"]) == 5 for s in opt.state.values())  # 6 steps, one skipped
+    assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_scheduler_after_initialize_no_warning_even_if_first_step_skipped(level):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampx.initialize(model, opt, opt_level=level, dtype=torch.bfloat16,
+                                 verbosity=0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1.0 / (n + 1))
+    stepped = 0
+    for i in range(4):  # filterwarnings=error turns any scheduler warning into a failure
+        step(model, opt, seed=i, overflow=(i == 0))
+        if not ampx.step_was_skipped(opt):  # gate the schedule on real steps
+            sched.step()
+            stepped += 1
+    assert stepped == 3 and sched.last_epoch == 3
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 / 4)
+    assert opt._ampx.steps == 4 and opt._ampx.skipped_steps == 1
+
+
+@pytest.mark.parametrize("kind", ["foreach", "fused", "single"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_fused_and_foreach_optimizers(kind, level, half_dtype):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=kind == "foreach",
+                            fused=True if kind == "fused" else None)
+    model, opt = ampx.initialize(model, opt, opt_level=level, dtype=half_dtype,
+                                 loss_scale="dynamic", verbosity=0)
+    losses = [step(model, opt, seed=0) for _ in range(5)]
+    assert losses[-1] < losses[0]
+    before = [p.detach().clone() for p in ampx.master_params(opt)]
+    state = copy.deepcopy(opt.state_dict()["state"])
+    step(model, opt, overflow=True)
+    assert ampx.step_was_skipped(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, ampx.master_params(opt)))
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(state[k][n], after[k][n]) for k in state for n in state[k])
+
+
+def test_custom_optimizer_subclass_skips_too():
+    class SignSGD(torch.optim.Optimizer):
+        def __init__(self, params, lr=0.01):
+            super().__init__(params, {"lr": lr})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad.sign(), alpha=-group["lr"])
+
+    model = mlp()
+    opt = SignSGD(model.parameters())
+    model, opt = ampx.initialize(model, opt, opt_level="O2", verbosity=0)
+    step(model, opt)
+    before = [p.detach().clone() for p in ampx.master_params(opt)]
+    step(model, opt, overflow=True)
+    assert ampx.step_was_skipped(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, ampx.master_params(opt)))
+
+
+def test_closure_raises_clear_error_when_scaling():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampx.initialize(model, opt, opt_level="O2", verbosity=0)
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step(lambda: torch.tensor(0.0))
+
+
+def test_closure_works_on_the_short_circuit_path():
+    model = mlp()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2)
+    model, opt = ampx.initialize(model, opt, opt_level="O0", verbosity=0)
+    x, y = batch()
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        with ampx.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        return loss
+
+    first = closure().item()
+    opt.step(closure)
+    assert closure().item() < first
+
+
+def test_add_param_group_with_half_params(half_dtype):
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD([model[0].weight, model[0].bias], lr=0.1)
+    model, opt = ampx.initialize(model, opt, opt_level="O2", dtype=half_dtype, verbosity=0)
+    assert model[3].weight.dtype == half_dtype  # cast, but without a master yet
+    opt.add_param_group({"params": list(model[3].parameters()), "lr": 0.05})
+    masters = list(ampx.master_params(opt))
+    assert len(masters) == 4 and all(m.dtype == torch.float32 for m in masters)
+    assert torch.equal(masters[2], model[3].weight.float())
+    w = model[3].weight.detach().clone()
+    step(model, opt)
+    assert not torch.equal(w, model[3].weight)
+    assert torch.equal(model[3].weight, masters[2].to(half_dtype))
+    assert opt.param_groups[1]["lr"] == 0.05
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_with_and_without_set_to_none(level, set_to_none):
+    """Each step sees only its own batch's gradient, whichever zero_grad is used."""
+    def run(zero_grad_mode: bool | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = ampx.Amp(level, verbosity=0, init_scale=2.0**10).initialize(model, opt)
+        for i in range(3):
+            step(model, opt, seed=i, set_to_none=bool(zero_grad_mode))
+        return [p.detach().clone() for p in ampx.master_params(opt)]
+
+    for a, b in zip(run(set_to_none), run(True)):
+        assert torch.allclose(a, b, rtol=1e-3, atol=1e-5)

@@ -1,0 +1,222 @@
+"""`ampx sweep`: metrics, table and files, orchestration with a fake script, and real runs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ampx import cli, sweep
+from ampx.sweep import Row, SweepConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _steps(losses: list[float], *, step_time: float = 0.1, scale: float = 1.0,
+           mem: int = 100 * 2**20, skipped: tuple[int, ...] = ()) -> list[dict]:
+    return [{"event": "step", "step": i + 1, "optimizer": 0, "step_time_s": step_time,
+             "loss": loss, "loss_scale": scale, "skipped": i in skipped, "peak_mem_bytes": mem}
+            for i, loss in enumerate(losses)]
+
+
+def _row(label: str, level: str, dtype: str | None, steps: list[dict]) -> Row:
+    row = Row(label=label, opt_level=level, dtype=dtype, status="ok")
+    return sweep.summarize(row, {"event": "init"}, steps)
+
+
+def test_build_configs_runs_o0_once_first() -> None:
+    configs = sweep.build_configs(["O1", "O0", "O3"], ["fp16", "bf16"], autocast=True)
+    assert [c.label for c in configs] == ["O0", "O1 fp16", "O1 bf16", "O3 fp16", "O3 bf16",
+                                          "autocast fp16", "autocast bf16"]
+    assert configs[-1].autocast and configs[-1].slug == "autocast-bf16"
+    assert [c.label for c in sweep.build_configs(["O2"], ["bf16"], autocast=False)] == ["O2 bf16"]
+
+
+def test_summarize_and_compare_against_o0() -> None:
+    base = _row("O0", "O0", None, _steps([4.0] * 9 + [2.0], step_time=0.2, mem=200 * 2**20))
+    fast = _row("O2 bf16", "O2", "bf16",
+                _steps([4.0] * 9 + [2.2], step_time=0.1, scale=128.0, skipped=(0, 1)))
+    nan = _row("O3 bf16", "O3", "bf16", _steps([4.0] * 9 + [math.nan]))
+    huge = _row("O1 bf16", "O1", "bf16", _steps([4.0] * 9 + [25.0]))
+    crashed = Row(label="O3 fp16", opt_level="O3", dtype="fp16", status="error",
+                  error="exit 1: RuntimeError: boom")
+    rows = [base, fast, nan, huge, crashed]
+    sweep.compare(rows)
+
+    assert base.speedup == 1.0 and base.loss_delta == 0.0
+    assert fast.speedup == pytest.approx(2.0)
+    assert fast.mem_ratio == pytest.approx(0.5)
+    assert fast.final_loss == pytest.approx(2.2)  # mean of the last 10% (one step here)
+    assert fast.loss_delta == pytest.approx(0.1)
+    assert (fast.skipped, fast.final_scale, fast.status) == (2, 128.0, "ok")
+    assert nan.status == "diverged" and "nan" in (nan.error or "")
+    assert huge.status == "diverged"  # > 10x O0's final loss
+    assert crashed.speedup is None
+
+    table = sweep.format_table(rows)
+    lines = table.splitlines()
+    assert lines[0].split()[:3] == ["config", "status", "speed-up"]
+    assert lines[3].split()[:3] == ["O2", "bf16", "ok"]
+    assert "2.00x" in lines[3] and "+10.00%" in lines[3] and "0.50x" in lines[3]
+    assert "O3 fp16: error: exit 1: RuntimeError: boom" in table
+    assert "O3 bf16: diverged: final loss nan" in table
+
+
+def test_compare_without_o0_only_flags_non_finite() -> None:
+    rows = [_row("O2 bf16", "O2", "bf16", _steps([1.0, 50.0])),
+            _row("O3 bf16", "O3", "bf16", _steps([1.0, math.inf]))]
+    sweep.compare(rows)
+    assert [r.status for r in rows] == ["ok", "diverged"]
+    assert rows[0].speedup is None
+
+
+def test_read_telemetry_skips_torn_lines_and_keeps_the_last_session(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    records = [{"event": "init", "opt_level": "O1"}, *_steps([9.0]),
+               {"event": "init", "opt_level": "O2"}, *_steps([1.0, 2.0])]
+    records.append({**records[-1], "optimizer": 1})
+    path.write_text("\n".join(json.dumps(r) for r in records) + '\n{"event": "st')
+    init, steps = sweep.read_telemetry(path)
+    assert init == {"event": "init", "opt_level": "O2"}
+    assert [s["loss"] for s in steps] == [1.0, 2.0]
+    assert sweep.read_telemetry(tmp_path / "missing.jsonl") == (None, [])
+
+
+def test_command_for_example_and_user_script(tmp_path: Path) -> None:
+    spec = sweep.SweepSpec(script=tmp_path / "ex.py", script_args=["--x"], configs=[],
+                           out=tmp_path, steps=5, example="transformer",
+                           run_options=["--quiet"])
+    cmd = sweep.command_for(spec, SweepConfig("O2", "bf16"), tmp_path / "t.jsonl")
+    assert cmd[1:4] == ["-m", "ampx", "run"]
+    assert cmd[cmd.index("--opt-level") + 1] == "O2" and cmd[cmd.index("--dtype") + 1] == "bf16"
+    assert cmd[-4:] == [str(tmp_path / "ex.py"), "--x", "--steps", "5"]
+    auto = sweep.command_for(spec, SweepConfig(None, "bf16"), tmp_path / "t.jsonl")
+    assert "--opt-level" not in auto and auto[-3:] == ["--autocast", "--dtype", "bf16"]
+    spec.example = None
+    user = sweep.command_for(spec, SweepConfig("O0", None), tmp_path / "t.jsonl")
+    assert user[-2:] == [str(tmp_path / "ex.py"), "--x"] and "--dtype" not in user
+    assert user[user.index("--max-steps") + 1] == "5"
+
+
+FAKE_SCRIPT = textwrap.dedent("""
+    # Stands in for `ampx run`: writes telemetry the way ampx would, per configuration.
+    import json, os, sys
+    level, dtype = sys.argv[1], sys.argv[2]
+    if level == "O3":
+        print("Traceback (most recent call last):", file=sys.stderr)
+        print("RuntimeError: O3 exploded", file=sys.stderr)
+        sys.exit(1)
+    with open(os.environ["AMPX_TELEMETRY"], "a") as f:
+        f.write(json.dumps({"event": "init", "opt_level": level, "dtype": dtype}) + "\\n")
+        for i in range(5):
+            loss = float("nan") if level == "O2" and i == 4 else 5.0 - i
+            f.write(json.dumps({"event": "step", "step": i + 1, "optimizer": 0,
+                                "step_time_s": 0.2 if level == "O0" else 0.1, "loss": loss,
+                                "loss_scale": 65536.0, "skipped": False,
+                                "peak_mem_bytes": 2**20}) + "\\n")
+""")
+
+
+def test_run_sweep_with_a_fake_script_keeps_going_after_failures(tmp_path: Path) -> None:
+    fake = tmp_path / "fake.py"
+    fake.write_text(FAKE_SCRIPT)
+    spec = sweep.SweepSpec(script=fake, script_args=[], out=tmp_path / "out",
+                           configs=sweep.build_configs(["O0", "O1", "O2", "O3"], ["bf16"],
+                                                       autocast=False))
+
+    def launcher(config: SweepConfig, telemetry: Path) -> list[str]:
+        return [sys.executable, str(fake), config.opt_level or "-", config.dtype or "-"]
+
+    progress: list[str] = []
+    rows = sweep.run_sweep(spec, progress=progress.append, launcher=launcher)
+    assert [(r.label, r.status) for r in rows] == [
+        ("O0", "ok"), ("O1 bf16", "ok"), ("O2 bf16", "diverged"), ("O3 bf16", "error")]
+    assert rows[1].speedup == pytest.approx(2.0)
+    assert rows[3].error == "exit 1: RuntimeError: O3 exploded"
+    assert len(progress) == 8 and progress[-1].startswith("[4/4] O3 bf16: error")
+    assert Path(rows[3].log or "").read_text().strip().endswith("O3 exploded")
+
+    out = tmp_path / "out"
+    data = json.loads(sweep.write_json(rows, out / "sweep.json", {"steps": 5}).read_text())
+    assert data["meta"] == {"steps": 5}
+    assert data["rows"][2]["series"]["loss"][-1] == "nan"
+    with open(sweep.write_csv(rows, out / "sweep.csv"), newline="") as handle:
+        table = list(csv.DictReader(handle))
+    assert [r["status"] for r in table] == ["ok", "ok", "diverged", "error"]
+    png = sweep.write_png(rows, out / "sweep.png")
+    assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_write_png_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    assert sweep.write_png([], tmp_path / "sweep.png") is None
+
+
+CRASHING_SCRIPT = textwrap.dedent("""
+    import torch
+    from apex import amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    if amp._amp_state.opt_properties.opt_level == "O3":
+        raise RuntimeError("this script cannot run at O3")
+    for _ in range(100):
+        loss = model(torch.randn(16, 8)).float().pow(2).mean()
+        optimizer.zero_grad()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+""")
+
+
+@pytest.mark.slow
+def test_cli_sweep_user_script_with_a_crashing_configuration(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(CRASHING_SCRIPT)
+    out = tmp_path / "out"
+    assert cli.main(["sweep", str(script), "--levels", "O0,O3", "--steps", "4", "--out",
+                     str(out), "--no-plot"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0].split()[:2] == ["config", "status"]
+    status = {" ".join(line.split()[:2]): line.split()[2] for line in lines[2:4]}
+    assert status == {"O0 ok": "1.00x", "O3 bf16": "error"}
+    assert "O3 bf16: error: exit 1: RuntimeError: this script cannot run at O3" in captured.out
+    assert "[2/2] O3 bf16: error" in captured.err
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    assert [r["steps"] for r in rows] == [4, 0]  # --max-steps stopped the 100-step loop
+    assert (out / "sweep.csv").exists() and not (out / "sweep.png").exists()
+
+
+@pytest.mark.slow
+def test_sweep_builtin_example_as_a_process(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ampx", "sweep", "--example", "transformer", "--levels", "O0,O2",
+         "--steps", "3", "--out", str(out), "--", "--d-model", "64", "--layers", "1",
+         "--seq-len", "16", "--batch-size", "4"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    labels = [line.split()[0:2] for line in proc.stdout.splitlines()[2:5]]
+    assert labels == [["O0", "ok"], ["O2", "bf16"], ["autocast", "bf16"]]
+    assert "error" not in proc.stdout and "diverged" not in proc.stdout
+    for name in ("sweep.json", "sweep.csv", "sweep.png"):
+        assert (out / name).stat().st_size > 0
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    assert [r["steps"] for r in rows] == [3, 3, 3]
+    assert rows[1]["init"]["dtype"] == "bfloat16" and rows[2]["init"]["opt_level"] == "autocast"
