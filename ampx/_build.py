@@ -214,31 +214,7 @@ def last_build_error(src: Path | None = None) -> str | None:
     return None
 
 
-def build(verbose: bool = False, *, src: Path | None = None) -> Path:
-    """Compile ``csrc/`` against the installed torch and return the built module's path.
-
-    A cached build for the same key is reused (ninja rebuilds nothing). CUDA kernels
-    are included when :func:`cuda_wanted` is true.
-
-    Args:
-        verbose: Show the compiler command lines and output.
-        src: Source directory; defaults to :func:`source_dir`.
-
-    Returns:
-        Path of the shared library, loadable by :mod:`ampx._ext`.
-
-    Raises:
-        RuntimeError: The sources are missing or the compiler failed; the message
-            holds the compiler's output, which is also saved for ``ampx info``.
-    """
-    src = src or source_dir()
-    if src is None:
-        raise RuntimeError(
-            "ampx build-ext: no C++ sources found (looked for csrc/ next to the ampx "
-            "package and for ampx/csrc); build from a source checkout or an sdist"
-        )
-    cap = cpu_capability()
-    cuda = cuda_wanted()
+def _compile(src: Path, cap: str, cuda: bool, verbose: bool) -> Path:
     key = _key(src, cap, cuda)
     name = _module_name(key)
     out = cache_dir() / key
@@ -270,9 +246,41 @@ def build(verbose: bool = False, *, src: Path | None = None) -> Path:
         error_file.write_text(message + "\n")
         raise RuntimeError(f"ampx build-ext failed ({key}):\n{message}") from exc
     error_file.unlink(missing_ok=True)
-    built = find_built(src)
-    if built is None:
+    for suffix in (".so", _ext_suffix(), ".pyd"):
+        path = out / f"{name}{suffix}"
+        if path.is_file():
+            return path
+    raise RuntimeError(f"ampx build-ext: the compiler succeeded but no {name} library is in {out}")
+
+
+def build(verbose: bool = False, *, src: Path | None = None) -> Path:
+    """Compile ``csrc/`` against the installed torch and return the built module's path.
+
+    A cached build for the same key is reused (ninja rebuilds nothing). CUDA kernels
+    are included when :func:`cuda_wanted` is true; if that build fails, the CPU-only
+    build is tried and the CUDA error stays in the cache for ``ampx info``.
+
+    Args:
+        verbose: Show the compiler command lines and output.
+        src: Source directory; defaults to :func:`source_dir`.
+
+    Returns:
+        Path of the shared library, loadable by :mod:`ampx._ext`.
+
+    Raises:
+        RuntimeError: The sources are missing or the compiler failed; the message
+            holds the compiler's output, which is also saved for ``ampx info``.
+    """
+    src = src or source_dir()
+    if src is None:
         raise RuntimeError(
-            f"ampx build-ext: the compiler succeeded but no {name} library is in {out}"
+            "ampx build-ext: no C++ sources found (looked for csrc/ next to the ampx "
+            "package and for ampx/csrc); build from a source checkout or an sdist"
         )
-    return built
+    cap = cpu_capability()
+    if cuda_wanted():
+        try:
+            return _compile(src, cap, True, verbose)
+        except RuntimeError as exc:
+            _log.warning("ampx: the CUDA build failed; building the CPU kernels only: %s", exc)
+    return _compile(src, cap, False, verbose)

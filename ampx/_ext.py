@@ -274,7 +274,9 @@ def describe() -> dict[str, Any]:
         (why the native kernels are not active, or None), ``extension_path``,
         ``cuda_kernels`` (whether the loaded extension has CUDA kernels),
         ``cpu_capability`` (the instruction set it was compiled for), ``disabled_by_env``,
-        ``cache_dir``, ``torch_version`` and ``python_version``.
+        ``build_error`` (the compiler output of the last failed ``ampx build-ext`` for
+        the current sources, or None), ``cache_dir``, ``torch_version`` and
+        ``python_version``.
     """
     from . import _build
 
@@ -287,6 +289,7 @@ def describe() -> dict[str, Any]:
         "cuda_kernels": state.has_cuda,
         "cpu_capability": str(native.cpu_capability()) if native is not None else None,
         "disabled_by_env": _disabled(),
+        "build_error": _build.last_build_error(),
         "cache_dir": str(_build.cache_dir()),
         "torch_version": torch.__version__,
         "python_version": sys.version.split()[0],

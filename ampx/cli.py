@@ -240,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="output directory (default: ./sweep-out)")
     sweep.add_argument("--timeout", type=_positive_float, default=900.0, metavar="S",
                        help="seconds allowed per configuration (default: 900)")
+    sweep.add_argument("--repeat", type=_positive_int, default=1, metavar="K",
+                       help="run the configurations K times round-robin and keep each one's "
+                            "fastest run (steadier timings on a busy machine)")
     sweep.add_argument("--no-autocast", action="store_true",
                        help="skip the torch.autocast comparison row (built-in examples only)")
     sweep.add_argument("--no-plot", action="store_true", help="do not write sweep.png")
@@ -523,7 +526,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     spec = sweep.SweepSpec(
         script=script.resolve(), script_args=list(args.script_args),
         configs=sweep.build_configs(args.levels, dtypes, autocast=autocast),
-        out=args.out, steps=steps, timeout_s=args.timeout,
+        out=args.out, steps=steps, timeout_s=args.timeout, repeat=args.repeat,
         example=example.name if example else None, run_options=run_options,
     )
 
@@ -543,7 +546,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         progress(f"ampx sweep: note: load average {load:.1f} on {os.cpu_count()} CPUs; other "
                  "processes will make the timings noisy")
     what = f"example '{example.name}'" if example else str(script)
-    progress(f"ampx sweep: {what}, {len(spec.configs)} configurations, "
+    rounds = f" x {args.repeat} rounds" if args.repeat > 1 else ""
+    progress(f"ampx sweep: {what}, {len(spec.configs)} configurations{rounds}, "
              f"{steps if steps is not None else 'all'} steps each, output in {args.out}/")
     args.out.mkdir(parents=True, exist_ok=True)
     rows = sweep.run_sweep(spec, progress=progress)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
@@ -577,20 +578,13 @@ def _map_method_wrapper(original: Any, cast: _TensorCast,
 
 
 def _device_predicate(device_types: frozenset[str]) -> Callable[[torch.Tensor], bool]:
-    # The common single-device cases use the cheap is_cpu/is_cuda properties.
+    # The common single-device cases read the cheap is_cpu/is_cuda properties through a
+    # C-level attrgetter (no Python frame per tensor).
     if device_types == frozenset({"cpu"}):
-        return _is_cpu
+        return operator.attrgetter("is_cpu")
     if device_types == frozenset({"cuda"}):
-        return _is_cuda
+        return operator.attrgetter("is_cuda")
     return lambda t: t.device.type in device_types
-
-
-def _is_cpu(t: torch.Tensor) -> bool:
-    return t.is_cpu
-
-
-def _is_cuda(t: torch.Tensor) -> bool:
-    return t.is_cuda
 
 
 class O1Patches:
@@ -666,6 +660,7 @@ def activate(config: CastConfig) -> O1Patches:
     try:
         patches.install(resolve())
     except BaseException:
+        patches.uninstall()  # whatever was applied before the failure
         if previous is not None:
             previous.install(resolve())
             _ACTIVE = previous
@@ -712,7 +707,8 @@ def _register(module: Any, name: str, policy: Policy) -> None:
 def register_half_function(module: Any, name: str) -> None:
     """Run `module.name` in the session's half dtype under O1.
 
-    Works before or after `initialize` (apex required before), and survives re-initialize.
+    Works before or after `initialize` (apex required before), survives re-initialize, and
+    replaces a built-in list entry of the same name (no double wrapping).
 
     Args:
         module: The object holding the function (a module or a class).

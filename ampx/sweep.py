@@ -94,6 +94,7 @@ class SweepSpec:
         timeout_s: Wall-clock limit of one run.
         example: Name of the built-in example being run, or None for a user script.
         python: The interpreter for the runs.
+        repeat: Rounds of runs; each configuration keeps its fastest (least disturbed) run.
         run_options: Extra `ampx run` options for every run.
         env: Extra environment variables for the runs.
     """
@@ -106,6 +107,7 @@ class SweepSpec:
     timeout_s: float = 900.0
     example: Optional[str] = None
     python: str = sys.executable
+    repeat: int = 1
     run_options: list[str] = dataclasses.field(default_factory=list)
     env: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -328,7 +330,8 @@ def _last_error_line(text: str) -> str:
 
 
 def run_one(spec: SweepSpec, config: SweepConfig,
-            launcher: Optional[Callable[[SweepConfig, Path], list[str]]] = None) -> Row:
+            launcher: Optional[Callable[[SweepConfig, Path], list[str]]] = None,
+            round_index: int = 0) -> Row:
     """Run one configuration in a fresh process and summarise it.
 
     Args:
@@ -336,16 +339,18 @@ def run_one(spec: SweepSpec, config: SweepConfig,
         config: The configuration.
         launcher: Builds the command from (config, telemetry file); tests use it to run a fake
             script. Default: `command_for`.
+        round_index: Which repetition this is (names the run's files).
 
     Returns:
         The row (its O0-relative columns are filled by `compare`).
     """
     runs = spec.out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    telemetry_file = runs / f"{config.slug}.jsonl"
-    for stale in runs.glob(f"{config.slug}.jsonl*"):
+    name = config.slug if round_index == 0 else f"{config.slug}.{round_index + 1}"
+    telemetry_file = runs / f"{name}.jsonl"
+    for stale in runs.glob(f"{name}.jsonl*"):
         stale.unlink()
-    log_file = runs / f"{config.slug}.log"
+    log_file = runs / f"{name}.log"
     cmd = launcher(config, telemetry_file) if launcher else command_for(spec, config,
                                                                          telemetry_file)
     env = child_env(spec.env)
@@ -387,6 +392,10 @@ def run_sweep(
 ) -> list[Row]:
     """Run every configuration of `spec`, one fresh process each, and compare them with O0.
 
+    With `spec.repeat` > 1 the configurations run round-robin that many times and each keeps
+    its least disturbed run (the lowest median step time); a run that fails in any round makes
+    the configuration's row that failure.
+
     Args:
         spec: The sweep.
         progress: Called with one line of progress text before and after each run.
@@ -396,16 +405,28 @@ def run_sweep(
         One row per configuration, in `spec.configs` order.
     """
     say = progress or (lambda text: None)
-    rows: list[Row] = []
-    total = len(spec.configs)
-    for index, config in enumerate(spec.configs, 1):
-        say(f"[{index}/{total}] {config.label}: running")
-        row = run_one(spec, config, launcher)
-        rows.append(row)
-        compare(rows)
-        say(f"[{index}/{total}] {config.label}: {_progress_text(row)}")
+    best: dict[SweepConfig, Row] = {}
+    total = len(spec.configs) * spec.repeat
+    count = 0
+    for round_index in range(spec.repeat):
+        for config in spec.configs:
+            count += 1
+            say(f"[{count}/{total}] {config.label}: running")
+            row = run_one(spec, config, launcher, round_index)
+            kept = best.get(config)
+            if kept is None or (kept.ok and (not row.ok or _faster(row, kept))):
+                best[config] = row
+            compare([best[c] for c in spec.configs if c in best])
+            say(f"[{count}/{total}] {config.label}: {_progress_text(row)}")
+    rows = [best[c] for c in spec.configs]
     compare(rows)
     return rows
+
+
+def _faster(row: Row, than: Row) -> bool:
+    if row.step_time_s is None:
+        return False
+    return than.step_time_s is None or row.step_time_s < than.step_time_s
 
 
 def _progress_text(row: Row) -> str:
@@ -527,8 +548,13 @@ def write_csv(rows: Sequence[Row], path: Path) -> Path:
     return path
 
 
+def _floats(values: Sequence[Any]) -> list[float]:
+    return [float(v) if isinstance(v, (int, float)) else math.nan for v in values]
+
+
 def write_png(rows: Sequence[Row], path: Path, title: str = "ampx sweep") -> Optional[Path]:
-    """Write `sweep.png` (loss curves, loss-scale trajectory, speed-up and memory bars).
+    """Write `sweep.png`: loss curves, their difference from O0, the loss-scale trajectory,
+    step times, and speed-up and peak-memory bars.
 
     Args:
         rows: Compared rows.
@@ -543,24 +569,34 @@ def write_png(rows: Sequence[Row], path: Path, title: str = "ampx sweep") -> Opt
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    fig = Figure(figsize=(12, 8), layout="constrained")
+    fig = Figure(figsize=(15, 8), layout="constrained")
     FigureCanvasAgg(fig)
-    (ax_loss, ax_scale), (ax_speed, ax_mem) = fig.subplots(2, 2)
+    (ax_loss, ax_delta, ax_scale), (ax_speed, ax_mem, ax_time) = fig.subplots(2, 3)
     finished = [r for r in rows if r.series.get("loss")]
+    base = next((r for r in finished if r.opt_level == "O0"), None)
+    color = {r.label: f"C{i % 10}" for i, r in enumerate(rows)}  # one color per row, everywhere
     for row in finished:
-        steps = range(1, len(row.series["loss"]) + 1)
-        losses = [math.nan if v is None else v for v in row.series["loss"]]
-        ax_loss.plot(steps, losses, label=row.label, linewidth=1.2)
-        scales = [math.nan if v is None else v for v in row.series["loss_scale"]]
-        ax_scale.plot(steps, scales, label=row.label, linewidth=1.2)
+        losses = _floats(row.series["loss"])
+        steps = range(1, len(losses) + 1)
+        style = {"label": row.label, "color": color[row.label], "linewidth": 1.2}
+        ax_loss.plot(steps, losses, **style)
+        if base is not None and row is not base:
+            reference = _floats(base.series["loss"])
+            count = min(len(losses), len(reference))
+            ax_delta.plot(range(1, count + 1),
+                          [a - b for a, b in zip(losses[:count], reference[:count])], **style)
+        ax_scale.plot(steps, _floats(row.series["loss_scale"]), **style)
+        ax_time.plot(steps, [t * 1e3 for t in _floats(row.series["step_time_s"])], **style)
     ax_loss.set(title="loss", xlabel="step", ylabel="loss")
+    ax_delta.set(title="loss minus O0's loss", xlabel="step", ylabel="difference")
     ax_scale.set(title="loss scale", xlabel="step", ylabel="scale", yscale="log")
-    for ax in (ax_loss, ax_scale):
-        if finished:
+    ax_time.set(title="step time", xlabel="step", ylabel="ms", yscale="log")
+    for ax in (ax_loss, ax_delta, ax_scale, ax_time):
+        if ax.get_lines():
             ax.legend(fontsize="small")
         ax.grid(alpha=0.3)
-    labels = [r.label for r in rows]
-    colors = ["tab:blue" if r.status == "ok" else "tab:red" for r in rows]
+    labels = [r.label if r.status == "ok" else f"{r.label}\n({r.status})" for r in rows]
+    colors = [color[r.label] for r in rows]
     ax_speed.bar(labels, [r.speedup or 0.0 for r in rows], color=colors)
     ax_speed.axhline(1.0, color="black", linewidth=0.8)
     ax_speed.set(title="speed-up vs O0 (median step time)", ylabel="x")

@@ -278,34 +278,90 @@ void copy_item_s(const S* s, char* d, Kind dk, int64_t n) {
 }
 
 // ---- l2norm ----
-// Squares and sums in float64 (kStep independent accumulators, which the compiler
-// vectorises), so the result is accurate to float32 rounding whatever the length
-// and never overflows before the final rounding to float32.
-template <typename T>
-double sumsq_span(const T* p, int64_t n) {
-  double acc[kStep] = {};
-  alignas(64) float buf[kStep];
-  int64_t i = 0;
-  for (; i + kStep <= n; i += kStep) {
-    const float* f = nullptr;
-    if constexpr (std::is_same_v<T, float>) {
-      f = p + i;
-    } else {
-      Vf a, b;
-      Io<T>::load(p + i, a, b);
-      a.store(buf);
-      b.store(buf + kVF);
-      f = buf;
+// Squares and sums in float64 so the result is accurate to float32 rounding whatever
+// the length and never overflows before the final rounding to float32. SqAcc widens
+// two float vectors to float64 in registers (AVX512/AVX2) and keeps four independent
+// accumulators; the portable fallback goes through a small buffer.
+#if defined(CPU_CAPABILITY_AVX512)
+struct SqAcc {
+  __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+  __m512d a2 = _mm512_setzero_pd(), a3 = _mm512_setzero_pd();
+  static __m512d lo(__m512 v) { return _mm512_cvtps_pd(_mm512_castps512_ps256(v)); }
+  static __m512d hi(__m512 v) {
+    return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+  void add(const Vf& x, const Vf& y) {
+    const __m512 xv = x;
+    const __m512 yv = y;
+    const __m512d x0 = lo(xv), x1 = hi(xv), y0 = lo(yv), y1 = hi(yv);
+    a0 = _mm512_add_pd(a0, _mm512_mul_pd(x0, x0));
+    a1 = _mm512_add_pd(a1, _mm512_mul_pd(x1, x1));
+    a2 = _mm512_add_pd(a2, _mm512_mul_pd(y0, y0));
+    a3 = _mm512_add_pd(a3, _mm512_mul_pd(y1, y1));
+  }
+  double sum() const {
+    alignas(64) double buf[8];
+    _mm512_store_pd(buf, _mm512_add_pd(_mm512_add_pd(a0, a1), _mm512_add_pd(a2, a3)));
+    double total = 0.0;
+    for (double v : buf) {
+      total += v;
     }
+    return total;
+  }
+};
+#elif defined(CPU_CAPABILITY_AVX2)
+struct SqAcc {
+  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+  __m256d a2 = _mm256_setzero_pd(), a3 = _mm256_setzero_pd();
+  static __m256d lo(__m256 v) { return _mm256_cvtps_pd(_mm256_castps256_ps128(v)); }
+  static __m256d hi(__m256 v) { return _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)); }
+  void add(const Vf& x, const Vf& y) {
+    const __m256 xv = x;
+    const __m256 yv = y;
+    const __m256d x0 = lo(xv), x1 = hi(xv), y0 = lo(yv), y1 = hi(yv);
+    a0 = _mm256_add_pd(a0, _mm256_mul_pd(x0, x0));
+    a1 = _mm256_add_pd(a1, _mm256_mul_pd(x1, x1));
+    a2 = _mm256_add_pd(a2, _mm256_mul_pd(y0, y0));
+    a3 = _mm256_add_pd(a3, _mm256_mul_pd(y1, y1));
+  }
+  double sum() const {
+    alignas(32) double buf[4];
+    _mm256_store_pd(buf, _mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3)));
+    return (buf[0] + buf[1]) + (buf[2] + buf[3]);
+  }
+};
+#else
+struct SqAcc {
+  double acc[kStep] = {};
+  void add(const Vf& x, const Vf& y) {
+    float buf[kStep];
+    x.store(buf);
+    y.store(buf + kVF);
     for (int64_t k = 0; k < kStep; ++k) {
-      const double v = static_cast<double>(f[k]);
+      const double v = static_cast<double>(buf[k]);
       acc[k] += v * v;
     }
   }
-  double total = 0.0;
-  for (int64_t k = 0; k < kStep; ++k) {
-    total += acc[k];
+  double sum() const {
+    double total = 0.0;
+    for (double v : acc) {
+      total += v;
+    }
+    return total;
   }
+};
+#endif
+
+template <typename T>
+double sumsq_span(const T* p, int64_t n) {
+  SqAcc acc;
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    Vf a, b;
+    Io<T>::load(p + i, a, b);
+    acc.add(a, b);
+  }
+  double total = acc.sum();
   for (; i < n; ++i) {
     const double v = static_cast<double>(to_float(p[i]));
     total += v * v;

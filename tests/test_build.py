@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,7 @@ def test_key_tracks_torch_python_and_sources(tmp_path: Path) -> None:
     shutil.copytree(CSRC, src)
     key = _build._key(src, "AVX2", False)
     assert torch.__version__.replace("+", "_") in key
-    assert f"py{os.sys.version_info[0]}{os.sys.version_info[1]}" in key
+    assert f"py{sys.version_info[0]}{sys.version_info[1]}" in key
     assert "avx2" in key and "cpu" in key
     assert _build._key(src, "AVX2", True) != key
     (src / "kernels_cpu.cpp").write_text((src / "kernels_cpu.cpp").read_text() + "\n// edit\n")

@@ -15,6 +15,7 @@ from torch import nn
 import ampx
 from ampx import CheckpointError
 
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     """Tiny models: one intra-op thread is faster and immune to OpenMP spinning on a busy box."""
@@ -219,8 +220,8 @@ def test_resume_in_fresh_process_is_bitwise_equal(tmp_path: Path):
     exec(TRAIN_SRC, ns)  # noqa: S102  (the same code the fresh process runs)
     full = {}
     for level, dtype in CONFIGS:
-        full[level, dtype] = ns["run"](level, dtype, 0, 20, save_path=tmp_path / f"{level}{dtype}.pt",
-                                       save_at=10)
+        full[level, dtype] = ns["run"](level, dtype, 0, 20, save_at=10,
+                                       save_path=tmp_path / f"{level}{dtype}.pt")
     script = TRAIN_SRC + textwrap.dedent(f'''
         import sys
         torch.set_num_threads({torch.get_num_threads()})

@@ -8,6 +8,7 @@ from torch import nn
 
 import ampx
 
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     """Tiny models: one intra-op thread is faster and immune to OpenMP spinning on a busy box."""

@@ -661,7 +661,7 @@ def test_ext_backend_is_reported() -> None:
     if os.environ.get("AMPX_DISABLE_EXT") == "1":
         assert _ext.BACKEND == "reference"
         assert "AMPX_DISABLE_EXT" in str(_ext.IMPORT_ERROR)
-    for key in ("extension_path", "cuda_kernels", "cache_dir", "torch_version",
+    for key in ("extension_path", "cuda_kernels", "cache_dir", "torch_version", "build_error",
                 "python_version", "cpu_capability"):
         assert key in info
 

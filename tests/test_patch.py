@@ -353,6 +353,7 @@ def test_restore_of_an_older_session_keeps_the_newer_patches() -> None:
 
 
 def test_failed_activation_keeps_previous_patches(monkeypatch: pytest.MonkeyPatch) -> None:
+    pristine = _snapshot()
     _o1(torch.bfloat16)
     installed = _snapshot()
 
@@ -370,6 +371,8 @@ def test_failed_activation_keeps_previous_patches(monkeypatch: pytest.MonkeyPatc
             _o1(torch.float16)
     assert torch.mm(torch.rand(2, 2), torch.rand(2, 2)).dtype == torch.bfloat16
     assert all(a.keys() == b.keys() for a, b in zip(installed, _snapshot()))
+    ampx.restore()
+    assert _same(pristine, _snapshot())  # nothing of the failed session is left behind
 
 
 def _count_wrappers() -> int:

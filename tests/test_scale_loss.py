@@ -1,4 +1,4 @@
-"""scale_loss end to end: skipped steps, accumulation, several losses/models/optimizers, clipping."""
+"""scale_loss end to end: skipped steps, accumulation, several losses/models/optimizers."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import ampx
+
 
 @pytest.fixture(autouse=True)
 def _one_thread():
@@ -304,13 +305,18 @@ def test_step_while_gradients_scaled_raises():
         opt.step()
 
 
-def test_gradients_do_not_leak_between_steps_without_zero_grad_at_o2():
-    """O2 master grads are consumed by step, as in apex."""
+def test_master_grads_are_consumed_by_step_at_o2():
+    """As in apex, O2 master gradients are released after the step (and half grads at exit)."""
     model, opt = setup("O2", torch.float16, opt_cls=torch.optim.SGD)
     x, y = batch()
-    train_step(model, opt, x, y)
-    assert all(p.grad is None for p in ampx.master_params(opt) if p.dtype == torch.float32
-               and any(p is m for m in opt._ampx.masters.pairs()[0]))
+    opt.zero_grad()
+    with ampx.scale_loss(loss_of(model, x, y), opt) as scaled:
+        scaled.backward()
+    masters = opt._ampx.masters.pairs()
+    assert masters and all(half.grad is None and master.grad is not None
+                           for half, master in masters)
+    opt.step()
+    assert all(master.grad is None for _, master in masters)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -455,3 +461,22 @@ def test_each_optimizer_steps_only_its_own_masters():
     assert torch.equal(b.weight, b_weight)
     opt_b.step()
     assert not torch.equal(b.weight, b_weight)
+
+
+def test_scale_policy_through_initialize_growth_bounds_hysteresis():
+    model, opt = setup("O2", torch.float16, opt_cls=torch.optim.SGD, init_scale=2.0**10,
+                       growth_interval=2, hysteresis=2, min_loss_scale=2.0**9,
+                       max_loss_scale=2.0**11)
+    amp = ampx.frontend.default_session()
+    assert amp is not None
+    x, y = batch()
+    scales, skipped = [], []
+    for overflow in [False, False, False, False, True, True, True, True, False]:
+        train_step(model, opt, x, y, overflow=overflow)
+        scales.append(amp.loss_scale())
+        skipped.append(ampx.step_was_skipped(opt))
+    assert skipped == [False] * 4 + [True] * 4 + [False]
+    # growth after 2 clean steps, capped at max; hysteresis 2 tolerates the first overflow;
+    # then backs off at once, down to the floor
+    assert scales == [2.0**10, 2.0**11, 2.0**11, 2.0**11, 2.0**11, 2.0**10, 2.0**9, 2.0**9,
+                      2.0**9]

@@ -11,6 +11,7 @@ import torch
 from ampx import scaler as scaler_mod
 from ampx.scaler import STATE_VERSION, LossScaler
 
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     """Tiny models: one intra-op thread is faster and immune to OpenMP spinning on a busy box."""

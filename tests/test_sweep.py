@@ -154,6 +154,19 @@ def test_run_sweep_with_a_fake_script_keeps_going_after_failures(tmp_path: Path)
     assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_repeat_keeps_the_fastest_run_and_any_failure(tmp_path: Path) -> None:
+    fake = tmp_path / "fake.py"
+    fake.write_text(FAKE_SCRIPT)
+    spec = sweep.SweepSpec(script=fake, script_args=[], out=tmp_path / "out", repeat=2,
+                           configs=sweep.build_configs(["O0", "O3"], ["bf16"], autocast=False))
+    progress: list[str] = []
+    rows = sweep.run_sweep(spec, progress=progress.append, launcher=lambda config, _: [
+        sys.executable, str(fake), config.opt_level or "-", config.dtype or "-"])
+    assert [(r.label, r.status) for r in rows] == [("O0", "ok"), ("O3 bf16", "error")]
+    assert progress[-1].startswith("[4/4] O3 bf16: error")
+    assert (tmp_path / "out" / "runs" / "O0.2.jsonl").exists()
+
+
 def test_write_png_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     model = ConvNet(args.width).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    data = synthetic_batches(args.batch_size, 16, args.seed + 1, device)
+    data = synthetic_batches(args.batch_size, 64, args.seed + 1, device)
 
     if args.autocast:
         train_autocast(model, optimizer, data, args)

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     model = TransformerLM(args.vocab, args.d_model, args.layers, max(1, args.d_model // 64),
                           args.seq_len).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    data = markov_batches(args.vocab, args.seq_len, args.batch_size, 16, args.seed + 1, device)
+    data = markov_batches(args.vocab, args.seq_len, args.batch_size, 64, args.seed + 1, device)
 
     if args.autocast:
         train_autocast(model, optimizer, data, args)
