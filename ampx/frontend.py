@@ -551,6 +551,11 @@ class Amp:
             self.scalers[index].load_state_dict(entry, f"loss_scaler{index}")
 
     # -- teardown ---------------------------------------------------------------------------------
+    @property
+    def owns_patches(self) -> bool:
+        """True while this session's O1 patches are the installed ones."""
+        return self._o1 is not None and patch.active() is self._o1
+
     def restore(self) -> None:
         """Remove this session's O1 patches (if it still owns them)."""
         if self._o1 is not None and patch.active() is self._o1:
@@ -637,8 +642,8 @@ def initialize(
     `sync_overflow`, `process_group`) are those of `Amp`.
 
     Calling it again starts a new default session: the previous one's O1 patches are
-    replaced cleanly (no stacked wrappers), and the models and optimizers it returned keep
-    working with their own scalers.
+    replaced (by the new O1 patches, or removed when the new level is not O1; no stacked
+    wrappers), and the models and optimizers it returned keep working with their own scalers.
 
     Example::
 
@@ -661,7 +666,13 @@ def initialize(
         min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale, **options,
     )
     result = amp.initialize(models, optimizers)
-    _DEFAULT = amp
+    previous, _DEFAULT = _DEFAULT, amp
+    if previous is not None and not amp.properties.patch_torch_functions and previous.owns_patches:
+        # A new default session replaces the old one cleanly: its O1 casts must not leak
+        # into a model initialized at another level (an O2 bf16 model under O1 fp16 casts).
+        logger.info("ampx.initialize: removing the previous session's O1 function patches; "
+                    "its models now run without O1 casts.")
+        previous.restore()
     return result
 
 

@@ -52,3 +52,15 @@ def half_dtype(request: pytest.FixtureRequest) -> torch.dtype:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread is faster and immune to OpenMP spinning on a busy box.
+
+    Tests that measure threading set their own count (tests/test_kernels.py).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -11,16 +11,6 @@ import torch
 from ampx import scaler as scaler_mod
 from ampx.scaler import STATE_VERSION, LossScaler
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is faster and immune to OpenMP spinning on a busy box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 CLEAN = torch.zeros(1)
 INF = torch.ones(1)
 

@@ -34,7 +34,7 @@ __all__ = ["install", "is_installed", "real_apex_spec", "uninstall"]
 
 logger = logging.getLogger("ampx")
 
-# Modules the alias provides: name -> how it is built (see `_ApexAliasLoader.exec_module`).
+# Modules the alias provides (built by `_ApexAliasLoader.exec_module`).
 _PROVIDED = ("apex", "apex.amp", "apex.amp._amp_state")
 
 # What to use instead of the apex packages ampx does not provide.
@@ -58,10 +58,7 @@ class _ApexAliasLoader(importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         from ampx import amp
 
-        module.__doc__ = (
-            "apex alias provided by `ampx run`: `apex.amp` is `ampx.amp` (no real apex is "
-            "installed in this environment)."
-        )
+        module.__doc__ = "apex alias provided by ampx (`ampx run`): `apex.amp` is `ampx.amp`."
         module.__dict__["__ampx_alias__"] = True
         module.__dict__["amp"] = amp
         state_module = types.ModuleType(
