@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 __all__ = [
     "DIVERGENCE_FACTOR",
+    "NOISY_SPREAD",
     "Row",
     "SweepConfig",
     "SweepSpec",
@@ -47,6 +48,9 @@ logger = logging.getLogger("ampx")
 
 DIVERGENCE_FACTOR = 10.0
 """A final loss above this multiple of O0's (or a non-finite one) marks the row as diverged."""
+
+NOISY_SPREAD = 1.5
+"""Rows whose step times vary more than this (90th/10th percentile) get a note under the table."""
 
 _AMPX_ROOT = Path(__file__).resolve().parent.parent  # the directory that holds `ampx/`
 
@@ -126,6 +130,8 @@ class Row:
         wall_s: Wall time of the whole process.
         steps: Number of step records.
         step_time_s: Median step time (the first step, which includes warm-up, is left out).
+        step_time_spread: 90th over 10th percentile of the step times: far above 1 when
+            something else competed for the device during the run.
         peak_mem_bytes: Largest peak-memory reading of the run.
         final_loss: Mean loss over the last 10% of the steps (at least one).
         skipped: Skipped steps.
@@ -148,6 +154,7 @@ class Row:
     wall_s: Optional[float] = None
     steps: int = 0
     step_time_s: Optional[float] = None
+    step_time_spread: Optional[float] = None
     peak_mem_bytes: Optional[int] = None
     final_loss: Optional[float] = None
     skipped: Optional[int] = None
@@ -275,6 +282,9 @@ def summarize(row: Row, init: Optional[dict[str, Any]], steps: list[dict[str, An
         t for t in row.series["step_time_s"] if _finite(t)
     ]
     row.step_time_s = statistics.median(times) if times else None
+    if len(times) >= 5:
+        deciles = statistics.quantiles(times, n=10)
+        row.step_time_spread = deciles[-1] / deciles[0] if deciles[0] > 0 else None
     mems = [int(r["peak_mem_bytes"]) for r in steps if _finite(r.get("peak_mem_bytes"))]
     row.peak_mem_bytes = max(mems) if mems else None
     tail = [float(v) for v in losses[-max(1, len(losses) // 10):] if v is not None]
@@ -494,6 +504,13 @@ def format_table(rows: Sequence[Row]) -> str:
     for row in rows:
         if row.error:
             lines.append(f"{row.label}: {row.status}: {row.error}")
+    noisy = [r for r in rows if r.ok and (r.step_time_spread or 1.0) > NOISY_SPREAD]
+    for row in noisy:
+        lines.append(f"{row.label}: note: step times varied {row.step_time_spread:.1f}x within "
+                     "the run (90th vs 10th percentile); something else was probably using "
+                     "the machine")
+    if noisy:
+        lines.append("note: timings are unreliable; rerun on a quiet machine or with --repeat K")
     return "\n".join(lines)
 
 
@@ -538,6 +555,7 @@ def write_json(rows: Sequence[Row], path: Path, meta: Mapping[str, Any]) -> Path
 def write_csv(rows: Sequence[Row], path: Path) -> Path:
     """Write `sweep.csv`: one line per row with the table's columns as raw numbers."""
     fields = ["label", "opt_level", "dtype", "status", "speedup", "step_time_s",
+              "step_time_spread",
               "peak_mem_bytes", "mem_ratio", "final_loss", "loss_delta", "skipped",
               "final_scale", "steps", "wall_s", "returncode", "error"]
     with open(path, "w", newline="", encoding="utf-8") as handle:

@@ -69,6 +69,21 @@ def test_summarize_and_compare_against_o0() -> None:
     assert "O3 bf16: diverged: final loss nan" in table
 
 
+def test_table_notes_noisy_timings() -> None:
+    steady = _row("O0", "O0", None, _steps([1.0] * 12, step_time=0.5))
+    records = _steps([1.0] * 12)
+    for i, record in enumerate(records):
+        record["step_time_s"] = 0.1 if i % 2 else 0.9
+    noisy = _row("O2 bf16", "O2", "bf16", records)
+    rows = [steady, noisy]
+    sweep.compare(rows)
+    assert steady.step_time_spread == pytest.approx(1.0)
+    assert noisy.step_time_spread is not None and noisy.step_time_spread > 5
+    table = sweep.format_table(rows)
+    assert "O2 bf16: note: step times varied" in table and "O0: note" not in table
+    assert "--repeat" in table
+
+
 def test_compare_without_o0_only_flags_non_finite() -> None:
     rows = [_row("O2 bf16", "O2", "bf16", _steps([1.0, 50.0])),
             _row("O3 bf16", "O3", "bf16", _steps([1.0, math.inf]))]
