@@ -50,7 +50,7 @@ DIVERGENCE_FACTOR = 10.0
 """A final loss above this multiple of O0's (or a non-finite one) marks the row as diverged."""
 
 NOISY_SPREAD = 1.5
-"""Rows whose step times vary more than this (90th/10th percentile) get a note under the table."""
+"""Rows whose step times vary more than this (75th/25th percentile) get a note under the table."""
 
 _AMPX_ROOT = Path(__file__).resolve().parent.parent  # the directory that holds `ampx/`
 
@@ -130,8 +130,8 @@ class Row:
         wall_s: Wall time of the whole process.
         steps: Number of step records.
         step_time_s: Median step time (the first step, which includes warm-up, is left out).
-        step_time_spread: 90th over 10th percentile of the step times: far above 1 when
-            something else competed for the device during the run.
+        step_time_spread: 75th over 25th percentile of the step times: far above 1 when
+            something else competed for the device during much of the run.
         peak_mem_bytes: Largest peak-memory reading of the run.
         final_loss: Mean loss over the last 10% of the steps (at least one).
         skipped: Skipped steps.
@@ -282,9 +282,9 @@ def summarize(row: Row, init: Optional[dict[str, Any]], steps: list[dict[str, An
         t for t in row.series["step_time_s"] if _finite(t)
     ]
     row.step_time_s = statistics.median(times) if times else None
-    if len(times) >= 5:
-        deciles = statistics.quantiles(times, n=10)
-        row.step_time_spread = deciles[-1] / deciles[0] if deciles[0] > 0 else None
+    if len(times) >= 4:
+        quartiles = statistics.quantiles(times, n=4)
+        row.step_time_spread = quartiles[2] / quartiles[0] if quartiles[0] > 0 else None
     mems = [int(r["peak_mem_bytes"]) for r in steps if _finite(r.get("peak_mem_bytes"))]
     row.peak_mem_bytes = max(mems) if mems else None
     tail = [float(v) for v in losses[-max(1, len(losses) // 10):] if v is not None]
@@ -507,7 +507,7 @@ def format_table(rows: Sequence[Row]) -> str:
     noisy = [r for r in rows if r.ok and (r.step_time_spread or 1.0) > NOISY_SPREAD]
     for row in noisy:
         lines.append(f"{row.label}: note: step times varied {row.step_time_spread:.1f}x within "
-                     "the run (90th vs 10th percentile); something else was probably using "
+                     "the run (75th vs 25th percentile); something else was probably using "
                      "the machine")
     if noisy:
         lines.append("note: timings are unreliable; rerun on a quiet machine or with --repeat K")
