@@ -454,32 +454,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if saved_path0 is not None and sys.path:
             sys.path[0] = saved_path0
         if args.telemetry_file:
-            _close_telemetry()
             if saved_env is None:
                 os.environ.pop("AMPX_TELEMETRY", None)
             else:
                 os.environ["AMPX_TELEMETRY"] = saved_env
             from . import telemetry
 
-            telemetry.sink()  # let it notice the change and drop the closed writer
+            telemetry.sink()  # notices the change and closes the run's telemetry file
         undo_logging()
-
-
-def _close_telemetry() -> None:
-    """Close the run's telemetry file (matters when `main` runs in-process, e.g. in tests).
-
-    `ampx.telemetry` keeps its writer open for the life of the process; once
-    AMPX_TELEMETRY is put back, the writer would be dropped with its file still open.
-    """
-    from . import telemetry
-
-    writer = telemetry.sink()
-    if writer is None:
-        return
-    close = getattr(writer, "close", None) or getattr(getattr(writer, "_file", None), "close",
-                                                      None)
-    if callable(close):
-        close()
 
 
 def _restore_patches() -> None:

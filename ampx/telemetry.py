@@ -33,10 +33,16 @@ class Telemetry:
 
     def emit(self, event: str, **fields: Any) -> None:
         """Write one record and flush it (so a crash keeps what came before)."""
+        if self._file.closed:
+            return
         record = {"event": event, "time": time.time(), "pid": os.getpid(), "rank": self.rank}
         record.update(fields)
         self._file.write(json.dumps(record, default=str) + "\n")
         self._file.flush()
+
+    def close(self) -> None:
+        """Close the file; later records are dropped."""
+        self._file.close()
 
     def step(self, *, optimizer: int, step_time_s: float, loss: float | None, loss_scale: float,
              skipped: bool, device: torch.device | None) -> None:
@@ -64,6 +70,8 @@ def sink() -> Telemetry | None:
     global _SINK, _SINK_PATH
     path = os.environ.get(ENV_VAR) or None
     if path != _SINK_PATH:
+        if _SINK is not None:
+            _SINK.close()
         _SINK_PATH = path
         _SINK = Telemetry(path) if path else None
     return _SINK
