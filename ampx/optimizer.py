@@ -322,15 +322,20 @@ def post_backward(
             param.grad = stashed[1]
     if stash:
         restore_stash(state)  # params that left this optimizer's groups, if any
+    # Gradients on another device than the flag (model parallel) get their own flag tensor,
+    # merged back after the kernels ran.
+    side_flags: list[torch.Tensor] = []
     for src, dst, accumulate in ((fresh_src, fresh_dst, False), (acc_src, acc_dst, True)):
         for (s_group, d_group) in _group_pairs(src, dst):
             _ext.unscale_into_(_local_shards(s_group), _local_shards(d_group),
-                               _on(inv_scale, s_group[0]), _found_for(found_inf, s_group[0]),
+                               _on(inv_scale, s_group[0]),
+                               _found_for(found_inf, s_group[0], side_flags),
                                accumulate=accumulate)
     for group in _group_by_device(in_place):
         _ext.unscale_(_local_shards(group), _on(inv_scale, group[0]),
-                      _found_for(found_inf, group[0]))
-    _merge_device_flags(found_inf)
+                      _found_for(found_inf, group[0], side_flags))
+    for side in side_flags:
+        torch.maximum(found_inf, side.to(found_inf.device), out=found_inf)
 
 
 def _local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -342,22 +347,13 @@ def _local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
 
-# Gradients on other devices than the scaler's (model parallel) get their own flag tensors,
-# merged back into the main flag after the kernels ran.
-_SIDE_FLAGS: dict[int, list[torch.Tensor]] = {}
-
-
-def _found_for(found_inf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def _found_for(found_inf: torch.Tensor, like: torch.Tensor,
+               side_flags: list[torch.Tensor]) -> torch.Tensor:
     if like.device == found_inf.device:
         return found_inf
     side = torch.zeros(1, dtype=torch.float32, device=like.device)
-    _SIDE_FLAGS.setdefault(id(found_inf), []).append(side)
+    side_flags.append(side)
     return side
-
-
-def _merge_device_flags(found_inf: torch.Tensor) -> None:
-    for side in _SIDE_FLAGS.pop(id(found_inf), []):
-        torch.maximum(found_inf, side.to(found_inf.device), out=found_inf)
 
 
 def _on(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
