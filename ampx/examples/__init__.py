@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["EXAMPLES", "AutocastRecorder", "Example", "example_path"]
+__all__ = ["EXAMPLES", "AutocastRecorder", "Example", "example_path", "train_autocast"]
 
 _HERE = Path(__file__).resolve().parent
 
@@ -116,3 +116,37 @@ class AutocastRecorder:
                 skipped=skipped, device=self._device,
             )
         self._last = now
+
+
+def train_autocast(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list,
+    args: Any,
+    compute_loss: Callable[[torch.nn.Module, Any], torch.Tensor],
+) -> None:
+    """The examples' loop with plain torch.autocast and GradScaler (the sweep's `autocast` row).
+
+    Args:
+        model: The fp32 model.
+        optimizer: Its optimizer.
+        batches: Batches, cycled for `args.steps` steps.
+        args: The example's parsed options (`steps`, `dtype`, `log_interval`).
+        compute_loss: `(model, batch) -> loss`, run inside the autocast region.
+    """
+    device = next(model.parameters()).device
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    recorder = AutocastRecorder(dtype, scaler, device)
+    for step in range(args.steps):
+        with torch.autocast(device.type, dtype=dtype):
+            loss = compute_loss(model, batches[step % len(batches)])
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        recorder.step(loss, skipped=scaler.get_scale() < scale)
+        if step % args.log_interval == 0 or step == args.steps - 1:
+            print(f"step {step:4d}  loss {loss.item():.4f}  scale {scaler.get_scale():g}",
+                  flush=True)

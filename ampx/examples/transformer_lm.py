@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     data = markov_batches(args.vocab, args.seq_len, args.batch_size, 64, args.seed + 1, device)
 
     if args.autocast:
-        train_autocast(model, optimizer, data, args)
+        from ampx.examples import train_autocast
+
+        train_autocast(model, optimizer, data, args, lm_loss)
         return
 
     model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level)
@@ -142,30 +144,11 @@ def main(argv: list[str] | None = None) -> None:
                     "amp": amp.state_dict()}, args.save)
 
 
-def train_autocast(model: nn.Module, optimizer: torch.optim.Optimizer,
-                   data: list[tuple[torch.Tensor, torch.Tensor]], args: argparse.Namespace) -> None:
-    """The same loop with torch.autocast and GradScaler (the sweep's `autocast` row)."""
-    from ampx.examples import AutocastRecorder
-
-    device = next(model.parameters()).device
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    recorder = AutocastRecorder(dtype, scaler, device)
-    for step in range(args.steps):
-        tokens, targets = data[step % len(data)]
-        with torch.autocast(device.type, dtype=dtype):
-            logits = model(tokens)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                   targets.reshape(-1))
-        optimizer.zero_grad()
-        scaler.scale(loss).backward()
-        scale = scaler.get_scale()
-        scaler.step(optimizer)
-        scaler.update()
-        recorder.step(loss, skipped=scaler.get_scale() < scale)
-        if step % args.log_interval == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  loss {loss.item():.4f}  scale {scaler.get_scale():g}",
-                  flush=True)
+def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Next-token cross-entropy of one batch (the autocast loop's loss)."""
+    tokens, targets = batch
+    logits = model(tokens)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 if __name__ == "__main__":
