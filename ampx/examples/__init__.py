@@ -11,6 +11,7 @@ CUDA when it is available, else on the CPU.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 from pathlib import Path
@@ -18,7 +19,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["EXAMPLES", "AutocastRecorder", "Example", "example_path", "train_autocast"]
+__all__ = ["EXAMPLES", "AutocastRecorder", "Example", "example_parser", "example_path",
+           "train_autocast"]
 
 _HERE = Path(__file__).resolve().parent
 
@@ -150,3 +152,22 @@ def train_autocast(
         if step % args.log_interval == 0 or step == args.steps - 1:
             print(f"step {step:4d}  loss {loss.item():.4f}  scale {scaler.get_scale():g}",
                   flush=True)
+
+
+def example_parser(doc: str | None, *, steps: int, batch_size: int,
+                   lr: float) -> argparse.ArgumentParser:
+    """The options every built-in example takes; each script adds its model's own."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--opt-level", default="O1", help="passed to amp.initialize")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--autocast", action="store_true",
+                        help="plain torch.autocast + GradScaler instead of amp")
+    parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"],
+                        help="autocast dtype (amp's dtype comes from `ampx run --dtype`)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--log-interval", type=int, default=10)
+    parser.add_argument("--save", default=None, help="write a checkpoint here at the end")
+    return parser

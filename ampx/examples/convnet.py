@@ -83,20 +83,10 @@ def synthetic_batches(batch: int, count: int, seed: int, device: torch.device,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The script's command line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--opt-level", default="O1", help="passed to amp.initialize")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--autocast", action="store_true",
-                        help="plain torch.autocast + GradScaler instead of amp")
-    parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"],
-                        help="autocast dtype (amp's dtype comes from `ampx run --dtype`)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch-size", type=int, default=64)
+    from ampx.examples import example_parser
+
+    parser = example_parser(__doc__, steps=60, batch_size=64, lr=0.05)
     parser.add_argument("--width", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--log-interval", type=int, default=10)
-    parser.add_argument("--save", default=None, help="write a checkpoint here at the end")
     return parser.parse_args(argv)
 
 

@@ -91,23 +91,13 @@ def markov_batches(vocab: int, seq_len: int, batch: int, count: int, seed: int,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The script's command line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--opt-level", default="O1", help="passed to amp.initialize")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--autocast", action="store_true",
-                        help="plain torch.autocast + GradScaler instead of amp")
-    parser.add_argument("--dtype", default="bf16", choices=["fp16", "bf16"],
-                        help="autocast dtype (amp's dtype comes from `ampx run --dtype`)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch-size", type=int, default=8)
+    from ampx.examples import example_parser
+
+    parser = example_parser(__doc__, steps=40, batch_size=8, lr=1e-3)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--log-interval", type=int, default=10)
-    parser.add_argument("--save", default=None, help="write a checkpoint here at the end")
     return parser.parse_args(argv)
 
 
