@@ -201,9 +201,7 @@ def _parse_loss_scale(value: Any) -> LossScale:
     return scale
 
 
-def _positive(name: str, value: Any, *, allow_none: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
+def _positive(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise OptionError(f"ampx.initialize: {name}={value!r} must be a positive number.")
     return float(value)
@@ -333,21 +331,19 @@ def resolve_properties(
         raise OptionError(f"ampx.initialize: num_losses={num_losses!r} must be an int >= 1.")
     if verbosity not in (0, 1, 2):
         raise OptionError(f"ampx.initialize: verbosity={verbosity!r} must be 0, 1 or 2.")
-    min_scale = _positive("min_loss_scale", min_loss_scale, allow_none=True)
+    min_scale = None if min_loss_scale is None else _positive("min_loss_scale", min_loss_scale)
     max_scale = _positive("max_loss_scale", max_loss_scale)
-    assert max_scale is not None
     if min_scale is not None and min_scale > max_scale:
         raise OptionError(
             f"ampx.initialize: min_loss_scale={min_loss_scale} is larger than "
             f"max_loss_scale={max_loss_scale}."
         )
     init = _positive("init_scale", init_scale)
-    assert init is not None
     growth = _positive("growth_factor", growth_factor)
-    if growth is None or growth < 1.0:
+    if growth < 1.0:
         raise OptionError(f"ampx.initialize: growth_factor={growth_factor!r} must be >= 1.")
     backoff = _positive("backoff_factor", backoff_factor)
-    if backoff is None or backoff > 1.0:
+    if backoff > 1.0:
         raise OptionError(
             f"ampx.initialize: backoff_factor={backoff_factor!r} must be in (0, 1]."
         )
