@@ -74,8 +74,7 @@ def _dtype(text: str) -> str:
 def _loss_scale(text: str) -> Any:
     if text == "dynamic":
         return "dynamic"
-    value = _positive_float(text)
-    return value
+    return _positive_float(text)
 
 
 def _positive_float(text: str) -> float:
