@@ -3,9 +3,10 @@
 Other ampx modules call only the five contract functions here (``unscale_``,
 ``unscale_into_``, ``l2norm``, ``copy_``, ``update_scale_``), the foreach helper ``mul_``,
 :func:`describe`, ``BACKEND`` and ``IMPORT_ERROR``. This is the one place where tensors
-are grouped by device and reduced to contiguous layouts before a kernel runs. The choice is made per call: the native kernels
-are used when the extension is loaded and has kernels for the tensors' device (CPU
-always, CUDA when it was compiled with CUDA); anything else runs
+are grouped by device and reduced to contiguous layouts before a kernel runs. The choice
+is made per call: the native kernels are used when the extension is loaded and has
+kernels for the tensors' device (CPU always, CUDA when it was compiled with CUDA);
+anything else runs
 :mod:`ampx._reference`, which computes the same results.
 
 Loading is lazy and never compiles: the first call (or the first read of
