@@ -170,6 +170,15 @@ class OptimizerAmpState:
         extra = self._skipped_device
         return self._skipped + (int(extra.item()) if extra is not None else 0)
 
+    def pending_flag(self) -> torch.Tensor | None:
+        """The overflow flag the next `step()` decides on (None when no checked pass ran)."""
+        return self.found_inf if self.stage is Stage.UNSCALED else None
+
+    def mark_overflow(self) -> None:
+        """UNSCALED: make the next `step()` a skipped one (finite gradients whose norm is not)."""
+        if self.stage is Stage.UNSCALED and self.found_inf is not None:
+            self.found_inf = torch.ones_like(self.found_inf)
+
     def detach(self) -> None:
         """Remove the step hooks and the zero_grad handler (initialize failed half-way)."""
         for handle in self.handles:
