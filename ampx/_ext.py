@@ -248,7 +248,7 @@ def _by_device(*lists: Tensors) -> list[tuple[torch.device, list[int]]]:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2): a view, so in-place results land in it."""
-    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -354,7 +354,7 @@ def l2norm(
         impl = _impl(device)
         part = [flat[i] for i in idx]
         if impl is _reference:
-            total, each = _reference.l2norm(part, True)  # type: ignore[misc]
+            total, each = _reference.l2norm(part, True)
         else:
             total, each = impl.l2norm(part, True)
         totals.append(total.to(first))

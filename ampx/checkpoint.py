@@ -70,7 +70,7 @@ def _counter(state: Mapping[str, Any], key: str, name: str, required: bool) -> i
     value = state.get(name)
     if value is None and not required:
         return None
-    if not _is_int(value) or value < 0:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise _fail(f"{key}[{name!r}] must be a non-negative int; got {value!r}.")
     if value > _INT32_MAX:
         raise _fail(f"{key}[{name!r}]={value!r} does not fit the scaler's int32 storage "

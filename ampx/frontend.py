@@ -414,7 +414,7 @@ class Amp:
     def _policy(self) -> Policy:
         """What this session hands each optimizer's state at attach."""
         return Policy(scales=self.scales_gradients, skips=self.skips_non_finite,
-                      master_weights=self.properties.master_weights,
+                      master_weights=bool(self.properties.master_weights),
                       on_overflow=self._report_overflow, on_step=self.record_step)
 
     def _report_overflow(self, loss_ids: Any) -> None:

@@ -274,8 +274,8 @@ class AmpOptimizer:
         self._sync()
         norm = self._strategy.local_norm
         if norm is None:
-            norm = _ext.l2norm(self._grads()) if self._grads() else torch.zeros(())
-        assert isinstance(norm, torch.Tensor)
+            total = _ext.l2norm(self._grads()) if self._grads() else torch.zeros(())
+            norm = total if isinstance(total, torch.Tensor) else total[0]
         if aggregate_norm_fn is not None:
             norm = aggregate_norm_fn(norm)
         else:

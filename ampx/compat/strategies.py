@@ -84,7 +84,7 @@ class MasterStrategy:
 
     def load_optimizer_state(self, inner: Mapping[str, Any]) -> None:
         """The wrapped optimizer's `load_state_dict`."""
-        self.optimizer.load_state_dict(inner)
+        self.optimizer.load_state_dict(dict(inner))
 
     def reset(self) -> None:
         """Forget the finished update (nothing kept here)."""
@@ -175,7 +175,7 @@ class MemoryEfficientStrategy:
         try:
             for param in params:
                 param.data = param.data.float()
-            self.optimizer.load_state_dict(inner)
+            self.optimizer.load_state_dict(dict(inner))
         finally:
             for param, half in zip(params, halves):
                 param.data = half
