@@ -414,17 +414,8 @@ def update_scale_(
     See :func:`ampx._reference.update_scale_` for the rule, arguments and errors.
     """
     _impl(scale.device).update_scale_(
-        scale,
-        growth_tracker,
-        hysteresis_tracker,
-        found_inf,
-        float(growth),
-        float(backoff),
-        int(interval),
-        int(hysteresis),
-        float(min_scale),
-        float(max_scale),
-    )
+        scale, growth_tracker, hysteresis_tracker, found_inf, float(growth), float(backoff),
+        int(interval), int(hysteresis), float(min_scale), float(max_scale))
 
 
 def describe() -> dict[str, Any]:

@@ -14,14 +14,11 @@ import logging
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ._journal import Journal
-
-if TYPE_CHECKING:
-    from .scaler import LossScaler
 
 __all__ = ["STATE_VERSION", "CheckpointError", "check_entry", "load", "new_state"]
 
@@ -38,6 +35,21 @@ _F32_TINY = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23  # leas
 
 class CheckpointError(ValueError, RuntimeError):
     """A malformed or mismatched ampx/apex checkpoint (RuntimeError, as apex raised)."""
+
+
+class LossScaler(Protocol):
+    """What loading needs of `ampx.scaler.LossScaler` (named here, not imported: no cycle)."""
+
+    dynamic: bool
+    loss_id: int
+    hysteresis: int
+
+    @property
+    def device(self) -> torch.device: ...  # noqa: D102
+
+    def loss_scale(self) -> float: ...  # noqa: D102
+
+    def commit(self, journal: Journal, new: Mapping[str, torch.Tensor]) -> None: ...  # noqa: D102
 
 
 def _fail(message: str) -> CheckpointError:

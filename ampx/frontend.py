@@ -21,7 +21,8 @@ from .checkpoint import CheckpointError
 from .masters import optimizer_params, recast_state
 from .model import MasterMap, ModelCast, cast_model, check_models, device_types_of
 from .opt_levels import BRIEFS, OptionError, OptLevel, Properties, resolve_properties
-from .optimizer import OptimizerAmpState, Policy, ScaledPass, amp_state_of, master_params
+from .optimizer import OptimizerAmpState, Policy, amp_state_of, master_params
+from .scaled_pass import ScaledPass
 from .scaler import LossScaler
 from .stepping import attach, check_optimizers
 
@@ -389,12 +390,7 @@ class Amp:
                 "num_losses=N to initialize to get N loss scalers."
             )
         if not self.scales_gradients:  # apex's short-circuit (O0, O3 with fp16)
-            try:
-                yield loss.float()
-            finally:
-                patch.clear_cache()
-            for state in states:
-                state.last_loss = loss.detach()
+            yield from _short_circuit(loss, states)
             return
 
         scaled = ScaledPass(opts, states, self.scalers[loss_id], self.synchronize_found_inf)
@@ -502,6 +498,15 @@ class Amp:
         if self._o1 is not None and patch.active() is self._o1:
             patch.deactivate()
         self._o1 = None
+
+
+def _short_circuit(loss: torch.Tensor, states: list[OptimizerAmpState]) -> Iterator[torch.Tensor]:
+    try:
+        yield loss.float()
+    finally:
+        patch.clear_cache()
+    for state in states:
+        state.last_loss = loss.detach()
 
 
 def _apply_forced(requested: dict[str, Any], forced: dict[str, Any]) -> dict[str, Any]:

@@ -11,8 +11,8 @@ single owner of the protocol, with an explicit `Stage` (as `torch.amp.GradScaler
 
 - `begin_backward` moves existing gradients aside (the stash) so backward writes only its own;
 - `abort_backward` (an exception inside `scale_loss`) puts everything back as it was;
-- `ScaledPass.end` unscales this pass's gradients into fresh buffers (`ampx.unscale`), flags
-  inf/NaN, computes the next scaler state, and only then commits all of it at once;
+- `ScaledPass.end` (`ampx.scaled_pass`) unscales this pass's gradients into fresh buffers
+  (`ampx.unscale`), flags inf/NaN, computes the next scaler state, then commits it all at once;
 - `decide_step` / `after_step` run from torch's step hooks (`ampx.stepping`): the skip
   decision (one host sync, or none for fused optimizers that take the device flag), and the
   master -> model copy;
@@ -24,9 +24,10 @@ undoes them, so state is exactly what it was. `after_step` runs after the optimi
 changed the parameters, so it rolls forward instead: it completes its idempotent work (on the
 reference kernels if the native one failed) and then re-raises.
 
-Per-tensor overflow flags: pass `per_tensor=True` to `ScaledPass`; after `end` its
-`overflow_flags` holds (parameters, float32 flags), one flag per parameter that got a new
-gradient, filled by the same kernel calls.
+Per-tensor overflow flags: with `Policy.per_tensor` (or `ScaledPass(per_tensor=True)`) every
+checked pass adds (loss_id, parameters, float32 flags) to `OptimizerAmpState.overflow_flags`,
+one flag per parameter that got a new gradient, filled by the same kernel calls (no extra
+pass); they live until the step, like the step flag.
 
 This module never imports the session: what it needs from it (skip policy, the cross-rank
 flag agreement, overflow reporting, telemetry) arrives as a `Policy` at `attach`.
@@ -48,10 +49,8 @@ from . import unscale
 from ._journal import Journal
 from .masters import ParamCache, grad_mark, optimizer_params
 from .model import MasterMap
-from .scaler import LossScaler
 
-__all__ = ["OptimizerAmpState", "Policy", "ScaledPass", "Stage", "amp_state_of",
-           "master_params"]
+__all__ = ["OptimizerAmpState", "Policy", "Stage", "amp_state_of", "master_params"]
 
 logger = logging.getLogger("ampx")
 
@@ -79,14 +78,21 @@ class Policy:
         scales: False on apex's short-circuit path (no masters, static 1.0, no inf check).
         skips: Whether steps with non-finite gradients are skipped.
         master_weights: Whether half parameters added later get fp32 masters.
-        on_overflow: Called with the loss ids of a skipped step (logging; may sync).
+        per_tensor: Compute per-parameter overflow flags in every checked pass (kept in
+            `OptimizerAmpState.overflow_flags` until the step).
+        on_overflow: Called with the loss ids of a skipped step (logging; may sync), before
+            the step's gradients are released; the step is committed even if it raises.
+        on_skip: Called with (optimizer, state) on a skipped step, right after `on_overflow`
+            (the gradients and `overflow_flags` are still there); may raise likewise.
         on_step: Called with (optimizer, state) after every step (telemetry).
     """
 
     scales: bool = True
     skips: bool = True
     master_weights: bool = False
+    per_tensor: bool = False
     on_overflow: Callable[[Sequence[int]], None] = _noop
+    on_skip: Callable[[torch.optim.Optimizer, OptimizerAmpState], None] = _noop
     on_step: Callable[[torch.optim.Optimizer, OptimizerAmpState], None] = _noop
 
 
@@ -109,6 +115,9 @@ class OptimizerAmpState:
         stage: Where the optimizer is in the protocol.
         found_inf: Device flag: a non-finite gradient was seen since the last step.
         loss_ids: Loss scalers whose passes fed the next step.
+        overflow_flags: With `Policy.per_tensor`, one (loss_id, params, flags) per checked
+            pass since the last step: float32 flags, 1.0 where that parameter's new gradient
+            had inf/NaN (cleared with the step flag).
         steps: `step()` calls so far.
     """
 
@@ -118,6 +127,7 @@ class OptimizerAmpState:
     stage: Stage = Stage.READY
     found_inf: torch.Tensor | None = None
     loss_ids: frozenset[int] = frozenset()
+    overflow_flags: tuple[tuple[int, list[torch.Tensor], torch.Tensor], ...] = ()
     last_loss: torch.Tensor | None = None
     steps: int = 0
     stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -169,6 +179,15 @@ class OptimizerAmpState:
         """Skipped `step()` calls so far (one sync when fused steps are counted on device)."""
         extra = self._skipped_device
         return self._skipped + (int(extra.item()) if extra is not None else 0)
+
+    def release_masters(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Forget these (half model param, master) pairs (their module went back to fp32)."""
+        discard = getattr(self.masters, "discard", None)
+        if discard is None:
+            raise RuntimeError("ampx: this MasterMap cannot discard masters.")
+        for model_param, _ in pairs:
+            discard(model_param)
+        self._cache = None
 
     def pending_flag(self) -> torch.Tensor | None:
         """The overflow flag the next `step()` decides on (None when no checked pass ran)."""
@@ -265,7 +284,7 @@ class OptimizerAmpState:
 
     def commit_unscale(self, journal: Journal, work: unscale.UnscaleWork,
                        flag: torch.Tensor | None, loss_id: int | None,
-                       loss: torch.Tensor) -> None:
+                       loss: torch.Tensor, per_tensor: torch.Tensor | None = None) -> None:
         """SCALING -> UNSCALED: assign the computed gradients, the flag and the bookkeeping."""
         for (param, _, _), grad in zip(work.assign, work.results):
             journal.set(param, "grad", grad)
@@ -281,6 +300,9 @@ class OptimizerAmpState:
             journal.set(self, "found_inf", flag)
         if loss_id is not None:
             journal.set(self, "loss_ids", self.loss_ids | {loss_id})
+            if per_tensor is not None:
+                journal.set(self, "overflow_flags",
+                            (*self.overflow_flags, (loss_id, work.flag_params, per_tensor)))
         journal.set(self, "last_loss", loss)
         journal.set(self, "stage", Stage.UNSCALED)
 
@@ -305,7 +327,8 @@ class OptimizerAmpState:
                 if model_param.grad is not None:
                     journal.set(model_param, "grad", None)
             for name, value in (("stash", {}), ("dropped", {}), ("found_inf", None),
-                                ("loss_ids", frozenset()), ("_decision", None),
+                                ("loss_ids", frozenset()), ("overflow_flags", ()),
+                                ("_decision", None),
                                 ("stage", Stage.READY)):
                 journal.set(self, name, value)
         except BaseException:
@@ -356,10 +379,12 @@ class OptimizerAmpState:
         error: BaseException | None = None
         if cache.pairs and not decision.skip:
             error = _copy_masters(cache)
-        skipped_ids = sorted(self.loss_ids) if decision.skip else []
-        self._commit_step(cache, decision)
-        if skipped_ids:
-            self.policy.on_overflow(skipped_ids)
+        try:
+            if decision.skip:
+                self.policy.on_overflow(sorted(self.loss_ids))
+                self.policy.on_skip(optimizer, self)
+        finally:
+            self._commit_step(cache, decision)
         self.policy.on_step(optimizer, self)
         if error is not None:
             raise error
@@ -378,6 +403,7 @@ class OptimizerAmpState:
             self._skipped += int(decision.skip)
         self.found_inf = None
         self.loss_ids = frozenset()
+        self.overflow_flags = ()
         self._decision = None
         self.stage = Stage.READY
 
@@ -412,94 +438,3 @@ def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     if state is not None:
         state.cache(optimizer)
     return list(optimizer_params(optimizer))
-
-
-class ScaledPass:
-    """One `scale_loss` pass over one or more optimizers: `begin`, then `end` or `abort`.
-
-    Args:
-        optimizers: The optimizers whose parameters get gradients from this backward.
-        states: Their ampx states, in the same order.
-        scaler: The loss scaler of this pass.
-        sync: Agrees on the overflow flag across ranks (in place; a no-op when single).
-        per_tensor: Also compute one overflow flag per parameter (see the module docstring).
-    """
-
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer],
-                 states: Sequence[OptimizerAmpState], scaler: LossScaler,
-                 sync: Callable[[torch.Tensor], None], per_tensor: bool = False) -> None:
-        self.pairs = list(zip(optimizers, states))
-        self.scaler = scaler
-        self.sync = sync
-        self.per_tensor = per_tensor
-        self.overflow_flags: tuple[list[torch.Tensor], torch.Tensor] | None = None
-
-    def begin(self) -> None:
-        """Every optimizer to SCALING, or none (a failure undoes the ones already moved)."""
-        done: list[tuple[torch.optim.Optimizer, OptimizerAmpState]] = []
-        try:
-            for opt, state in self.pairs:
-                state.begin_backward(opt)
-                done.append((opt, state))
-        except BaseException:
-            for opt, state in reversed(done):
-                state.abort_backward(opt)
-            raise
-
-    def abort(self) -> None:
-        """Every optimizer back to where it was before `begin`."""
-        for opt, state in reversed(self.pairs):
-            state.abort_backward(opt)
-
-    def end(self, loss: torch.Tensor, *, loss_id: int, delay_unscale: bool = False,
-            check: bool = True) -> None:
-        """Finish the pass: unscale and check (or keep scaled), then commit everything at once.
-
-        Args:
-            loss: The unscaled loss (kept for telemetry).
-            loss_id: The scaler's index, recorded for the step's overflow report.
-            delay_unscale: Leave the gradients scaled (stage SCALED).
-            check: Update the scale and the step flag (False: apex's delay_overflow_check).
-
-        On any exception the pass is aborted: every optimizer is as before `begin`.
-        """
-        try:
-            self._end(loss, loss_id, delay_unscale, check)
-        except BaseException:
-            self.abort()
-            raise
-
-    def _end(self, loss: torch.Tensor, loss_id: int, delay_unscale: bool, check: bool) -> None:
-        journal = Journal()
-        if delay_unscale:
-            try:
-                for _, state in self.pairs:
-                    state.commit_delayed(journal)
-            except BaseException:
-                journal.rollback()
-                raise
-            return
-        scaler = self.scaler
-        found = torch.zeros(1, dtype=torch.float32, device=scaler.device)
-        inv_scale = scaler.inv_scale()
-        works, flags = [], []
-        for opt, state in self.pairs:
-            work = unscale.plan(state.cache(opt), state.stash)
-            flags.append(unscale.run(work, inv_scale, found, self.per_tensor))
-            works.append(work)
-        new_scaler = None
-        if check:
-            self.sync(found)
-            new_scaler = scaler.next_state(found)
-        try:
-            for (_, state), work in zip(self.pairs, works):
-                flag = state.next_flag(found) if check and state.policy.skips else None
-                state.commit_unscale(journal, work, flag, loss_id if check else None, loss)
-            if new_scaler is not None:
-                scaler.commit(journal, new_scaler)
-        except BaseException:
-            journal.rollback()
-            raise
-        if self.per_tensor:
-            params = [p for w in works for p in w.flag_params]
-            self.overflow_flags = (params, torch.cat([f for f in flags if f is not None]))

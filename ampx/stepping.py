@@ -63,11 +63,11 @@ def check_optimizers(optimizers: Any) -> tuple[list[torch.optim.Optimizer], bool
     if len({id(o) for o in out}) != len(out):
         raise RuntimeError("ampx.initialize: the same optimizer appears twice in the list.")
     for opt in out:
-        if amp_state_of(opt) is not None:
+        if amp_state_of(opt) is not None or hasattr(opt, "_amp_stash"):
             raise RuntimeError(
                 "A given optimizer should only be passed through amp.initialize once."
             )
-        for name in _APEX_ATTRS:
+        for name in _APEX_ATTRS[1:]:
             if hasattr(opt, name):
                 raise RuntimeError(f"Incoming optimizer already has {name} defined.")
     return out, was_list

@@ -52,9 +52,8 @@ from .. import _ext
 from ..distributed import aggregate_dtensor_norm, local
 from ..frontend import Amp
 from ..masters import optimizer_params
-from ..optimizer import amp_state_of
 from ..scaler import LossScaler
-from .strategies import Factor, MasterStrategy, MemoryEfficientStrategy, Strategy
+from .strategies import Factor, MemoryEfficientStrategy, Strategy, make_strategy
 
 __all__ = ["AmpOptimizer"]
 
@@ -105,53 +104,16 @@ class AmpOptimizer:
         min_loss_scale: float | None = None,
         memory_efficient: bool = False,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                "AmpOptimizer: expected a torch.optim.Optimizer; got "
-                f"{type(optimizer).__module__}.{type(optimizer).__name__}."
-            )
-        state = amp_state_of(optimizer)
-        if amp is None:
-            if state is None:
-                raise TypeError(
-                    "AmpOptimizer needs an optimizer passed through ampx.Amp.initialize() (or "
-                    "amp=... in memory_efficient mode); got "
-                    f"{type(optimizer).__module__}.{type(optimizer).__name__}."
-                )
-            if not isinstance(state.owner, Amp):
-                raise TypeError("AmpOptimizer: the optimizer's session is not an ampx.Amp.")
-            amp = state.owner
-        if state is not None and state.owner is not amp:
-            raise ValueError(
-                "AmpOptimizer: this optimizer was initialized by another Amp session; pass that "
-                "session (or amp=None)."
-            )
-        if not 0 <= loss_id < len(amp.scalers):
-            raise ValueError(
-                f"AmpOptimizer: loss_id={loss_id} but the session has {len(amp.scalers)} loss "
-                "scaler(s) (num_losses)."
-            )
         if isinstance(tolerance, bool) or not (isinstance(tolerance, (int, float))
                                                 and tolerance >= 0):
             raise ValueError(f"AmpOptimizer: tolerance={tolerance!r} must be a number >= 0.")
+        self._strategy: Strategy = make_strategy(optimizer, amp, loss_id, memory_efficient)
         self._optimizer = optimizer
-        self.amp = amp
+        self.amp = self._strategy.amp
         self.loss_id = loss_id
         self.tolerance = float(tolerance)
         self.min_loss_scale = min_loss_scale
         self.memory_efficient = bool(memory_efficient)
-        self._strategy: Strategy
-        if self.memory_efficient:
-            MemoryEfficientStrategy.check(amp, optimizer, state)
-            self._strategy = MemoryEfficientStrategy(optimizer, amp, loss_id)
-        else:
-            self._strategy = MasterStrategy(optimizer, amp, loss_id)
-        if not self.memory_efficient and state is None and amp.enabled:
-            raise TypeError(
-                "AmpOptimizer needs an optimizer passed through amp.initialize(); got one "
-                "that was not (pass memory_efficient=True for a plain optimizer over half "
-                "parameters)."
-            )
         # per-update state
         self._factor: Factor = 1.0
         self._needs_sync = False

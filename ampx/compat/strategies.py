@@ -25,7 +25,7 @@ from ..masters import optimizer_params
 from ..optimizer import Stage, amp_state_of
 from ..scaler import LossScaler
 
-__all__ = ["MasterStrategy", "MemoryEfficientStrategy", "Strategy"]
+__all__ = ["MasterStrategy", "MemoryEfficientStrategy", "Strategy", "make_strategy"]
 
 HALF = (torch.float16, torch.bfloat16)
 Factor = Union[float, torch.Tensor]
@@ -186,3 +186,40 @@ class MemoryEfficientStrategy:
 
 
 Strategy = Union[MasterStrategy, MemoryEfficientStrategy]
+
+
+def make_strategy(optimizer: torch.optim.Optimizer, amp: Amp | None, loss_id: int,
+                  memory_efficient: bool) -> Strategy:
+    """Check the wrapper's arguments and pick its strategy (`AmpOptimizer.__init__`).
+
+    Raises:
+        TypeError: If `optimizer` is not one, or never went through `amp.initialize` (default
+            mode).
+        ValueError: For an optimizer initialized by another session, a bad `loss_id`, or
+            `memory_efficient` with master weights or fp32 parameters.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("AmpOptimizer: expected a torch.optim.Optimizer; got "
+                        f"{type(optimizer).__module__}.{type(optimizer).__name__}.")
+    state = amp_state_of(optimizer)
+    if amp is None:
+        if state is None or not isinstance(state.owner, Amp):
+            raise TypeError(
+                "AmpOptimizer needs an optimizer passed through ampx.Amp.initialize() (or "
+                "amp=... in memory_efficient mode); got "
+                f"{type(optimizer).__module__}.{type(optimizer).__name__}.")
+        amp = state.owner
+    if state is not None and state.owner is not amp:
+        raise ValueError("AmpOptimizer: this optimizer was initialized by another Amp "
+                         "session; pass that session (or amp=None).")
+    if not 0 <= loss_id < len(amp.scalers):
+        raise ValueError(f"AmpOptimizer: loss_id={loss_id} but the session has "
+                         f"{len(amp.scalers)} loss scaler(s) (num_losses).")
+    if memory_efficient:
+        MemoryEfficientStrategy.check(amp, optimizer, state)
+        return MemoryEfficientStrategy(optimizer, amp, loss_id)
+    if state is None and amp.enabled:
+        raise TypeError("AmpOptimizer needs an optimizer passed through amp.initialize(); got "
+                        "one that was not (pass memory_efficient=True for a plain optimizer "
+                        "over half parameters).")
+    return MasterStrategy(optimizer, amp, loss_id)
