@@ -186,41 +186,51 @@ class LossScaler:
                 journal.set(self, name, new[name])
 
     # -- host-side reporting (syncs; called only on the overflow path) ------------------------
-    def report_overflow(self) -> None:
+    def report_overflow(self, where: str = "") -> tuple[float, float] | None:
         """Log an overflow seen at step time, rate-limited, and warn at the floor.
 
         The first few overflows are logged (logger "ampx", INFO) with the loss id, the old and
         the new scale; later ones at most once per 30 s, with a count of the suppressed ones.
         A WARNING is logged once each time a dynamic scale reaches its floor.
 
+        Args:
+            where: Inserted after "Gradient overflow" (e.g. " in fc2.weight").
+
+        Returns:
+            (old scale, new scale) when this scaler had an overflow to report, else None.
+
         .. note:: Reads the flag and the scales: host syncs, only on steps that overflowed.
         """
         if not bool(self._overflows_since_report.item()):
-            return
+            return None
         self._overflows_since_report.zero_()
         self.overflow_count += 1
         old_scale = float(self._scale_before_overflow.item())
         new_scale = self.loss_scale()
         now = time.monotonic()
         if self.overflow_count <= _LOG_FIRST or now - self._last_log >= _LOG_INTERVAL_S:
-            extra = f" ({self._suppressed} similar messages suppressed)" if self._suppressed else ""
-            if not self.dynamic:
-                logger.info("Non-finite gradients.  Skipping step, loss scaler %d keeps its "
-                            "static loss scale %s%s", self.loss_id, new_scale, extra)
-            elif new_scale < old_scale:
-                logger.info(
-                    "Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to "
-                    "%s (was %s)%s", self.loss_id, new_scale, old_scale, extra,
-                )
-            else:
-                logger.info(
-                    "Gradient overflow.  Skipping step, loss scaler %d keeps loss scale %s "
-                    "(hysteresis=%d: more overflows are tolerated before backing off)%s",
-                    self.loss_id, new_scale, self.hysteresis, extra,
-                )
+            self._log_overflow(old_scale, new_scale, where)
             self._last_log, self._suppressed = now, 0
         else:
             self._suppressed += 1
+        self._warn_at_floor(new_scale)
+        return old_scale, new_scale
+
+    def _log_overflow(self, old_scale: float, new_scale: float, where: str) -> None:
+        extra = f" ({self._suppressed} similar messages suppressed)" if self._suppressed else ""
+        if not self.dynamic:
+            logger.info("Non-finite gradients%s.  Skipping step, loss scaler %d keeps its "
+                        "static loss scale %s%s", where, self.loss_id, new_scale, extra)
+        elif new_scale < old_scale:
+            logger.info("Gradient overflow%s.  Skipping step, loss scaler %d reducing loss "
+                        "scale to %s (was %s)%s", where, self.loss_id, new_scale, old_scale,
+                        extra)
+        else:
+            logger.info("Gradient overflow%s.  Skipping step, loss scaler %d keeps loss scale "
+                        "%s (hysteresis=%d: more overflows are tolerated before backing off)%s",
+                        where, self.loss_id, new_scale, self.hysteresis, extra)
+
+    def _warn_at_floor(self, new_scale: float) -> None:
         at_floor = new_scale <= self.floor
         if self.dynamic and at_floor and not self._floor_warned:
             self._floor_warned = True
