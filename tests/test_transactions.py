@@ -239,3 +239,61 @@ def test_zero_grad_after_delay_unscale_starts_a_clean_update(level: str,
         return snapshot(amp, model, opt)
 
     assert same(run(True), run(False))
+
+
+def test_nested_scale_loss_over_the_same_optimizer_raises(half_dtype: torch.dtype) -> None:
+    amp, model, opt = make("O2", half_dtype)
+    x, y = data(0)
+    with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y), opt) as outer:
+        with pytest.raises(RuntimeError, match="already inside a scale_loss"):
+            with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y), opt):
+                pass  # pragma: no cover - never entered
+        outer.backward()
+    opt.step()
+    assert opt._ampx.steps == 1 and not ampx.step_was_skipped(opt)
+
+
+def test_step_inside_scale_loss_raises(half_dtype: torch.dtype) -> None:
+    amp, model, opt = make("O1", half_dtype)
+    x, y = data(0)
+    with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y), opt) as scaled:
+        scaled.backward()
+        with pytest.raises(RuntimeError, match="inside a scale_loss block"):
+            opt.step()
+    assert opt._ampx.steps == 0
+
+
+class FailOnce(torch.optim.SGD):
+    failed = False
+
+    def step(self, closure: Any = None) -> Any:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("optimizer failed once")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_real_step_that_raises_keeps_the_update_pending(level: str,
+                                                         half_dtype: torch.dtype) -> None:
+    def run(fail: bool) -> dict[str, Any]:
+        amp, model, opt = make(level, half_dtype, FailOnce)
+        opt.failed = not fail
+        backward(amp, model, opt, 0)
+        if fail:
+            with pytest.raises(RuntimeError, match="failed once"):
+                opt.step()
+            assert opt._ampx.stage.value == "UNSCALED" and opt._ampx.steps == 0
+        opt.step()  # decided again, and applied
+        return snapshot(amp, model, opt)
+
+    assert same(run(True), run(False))
+
+
+def test_step_after_delay_unscale_raises(half_dtype: torch.dtype) -> None:
+    amp, model, opt = make("O2", half_dtype)
+    backward(amp, model, opt, 0, delay_unscale=True)
+    before = snapshot(amp, model, opt)
+    with pytest.raises(RuntimeError, match="still scaled"):
+        opt.step()
+    assert same(snapshot(amp, model, opt), before)
