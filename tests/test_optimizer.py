@@ -370,3 +370,30 @@ def test_host_syncs_per_step(level, fused, monkeypatch):
         assert by_ampx == 3  # one per step (torch's own single-tensor AdamW reads `step`)
     step(model, opt, overflow=True)  # the fused kernel skips on the device flag
     assert ampx.step_was_skipped(opt) and opt._ampx.skipped_steps == 1
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad])
+def test_other_fused_optimizers_skip_without_a_sync(cls, monkeypatch):
+    model = mlp()
+    opt = cls(model.parameters(), lr=1e-2, fused=True)
+    model, opt = ampx.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0,
+                                 loss_scale="dynamic", init_scale=2.0**8)
+    step(model, opt)
+    before = [p.detach().clone() for p in ampx.master_params(opt)]
+    state = copy.deepcopy(opt.state_dict()["state"])
+    x, y = batch()
+
+    def poisoned_step():
+        opt.zero_grad()
+        with ampx.scale_loss(nn.functional.mse_loss(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+            next(p for p in model.parameters() if p.grad is not None).grad.fill_(float("inf"))
+        opt.step()
+
+    total, _ = _count_syncs(monkeypatch, poisoned_step)
+    assert total == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, ampx.master_params(opt)))
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(torch.as_tensor(state[k][n]), torch.as_tensor(after[k][n]))
+               for k in state for n in state[k])
+    assert ampx.step_was_skipped(opt)
