@@ -17,20 +17,25 @@ from typing import Any
 
 import torch
 
-from . import distributed, patch, telemetry
-from .model import MasterMap, ModelCast, cast_model, check_models, device_types_of
-from .opt_levels import BRIEFS, OptionError, OptLevel, Properties, resolve_properties
+from . import distributed, initializer, patch, telemetry
+from .model import ModelCast
+from .opt_levels import (
+    OptionError,
+    Properties,
+    apply_forced,
+    brief,
+    forced_options,
+    resolve_properties,
+    set_forced_options,
+)
 from .optimizer import (
     OptimizerAmpState,
     amp_state_of,
-    attach,
-    check_optimizers,
     master_params,
     note_found_inf,
     optimizer_params,
     post_backward,
     prepare_backward,
-    recast_state,
     restore_stash,
 )
 from .scaler import LossScaler
@@ -52,76 +57,32 @@ __all__ = [
 
 logger = logging.getLogger("ampx")
 
-_FORCEABLE = ("opt_level", "dtype", "loss_scale", "keep_batchnorm_fp32", "master_weights",
-              "min_loss_scale", "max_loss_scale", "enabled")
-# Options that only make sense for one opt level: a forced level drops the script's values.
-_LEVEL_SPECIFIC = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
-                   "master_weights")
-_FORCED: dict[str, Any] = {}
-
-
 class CheckpointError(ValueError, RuntimeError):
     """A malformed or mismatched ampx/apex checkpoint (RuntimeError, as apex raised)."""
-
-
-def set_forced_options(options: Mapping[str, Any] | None) -> None:
-    """Make every later `initialize` use these options instead of the caller's (`ampx run`).
-
-    Args:
-        options: initialize keyword values (keys: opt_level, dtype, loss_scale,
-            keep_batchnorm_fp32, master_weights, min_loss_scale, max_loss_scale, enabled);
-            None or {} clears them.
-
-    Raises:
-        ValueError: For a key that cannot be forced.
-    """
-    options = dict(options or {})
-    unknown = sorted(set(options) - set(_FORCEABLE))
-    if unknown:
-        raise ValueError(f"ampx.set_forced_options: cannot force {unknown}; "
-                         f"forceable options are {list(_FORCEABLE)}.")
-    _FORCED.clear()
-    _FORCED.update(options)
-
-
-def forced_options() -> dict[str, Any]:
-    """The options `ampx run` forces on every `initialize` (a copy)."""
-    return dict(_FORCED)
 
 
 class Amp:
     """One mixed-precision session: options, loss scalers, and what it initialized.
 
-    Several `Amp` objects can coexist (for example two O2 models with separate scalers). O1's
+    Several `Amp` objects can coexist, each with its own loss scalers (for example two O2
+    models with separate scale trajectories). The module-level functions (`ampx.initialize`,
+    apex's API) instead share one list of scalers, as apex did: see `initialize`. O1's
     function patching is process-wide: the newest O1 session takes the patches over from the
     previous one (the older session's models then run under the newer session's casts).
 
     Args:
         opt_level: "O0", "O1", "O2" or "O3" (apex's table, see docs/opt-levels.md).
-        enabled: False makes the session a pass-through.
-        dtype: torch.float16 (apex's, the default) or torch.bfloat16 (or "fp16"/"bf16").
-        cast_model_type: Override of the level's model dtype.
-        patch_torch_functions: Override (O1 only).
-        keep_batchnorm_fp32: Override.
-        master_weights: Override.
-        loss_scale: "dynamic" or a number (bf16 default: static 1.0, non-finite steps skipped).
-        cast_model_outputs: Dtype of the model's outputs.
-        num_losses: Number of loss scalers (`loss_id` picks one).
-        verbosity: 0 silences the info log; 2 logs every O1 cast.
-        min_loss_scale: Floor of the dynamic scale.
-        max_loss_scale: Ceiling of the dynamic scale.
-        init_scale: Initial dynamic scale.
-        growth_factor: Growth multiplier of the dynamic scale.
-        backoff_factor: Backoff multiplier of the dynamic scale.
-        growth_interval: Clean steps between growths.
-        hysteresis: Overflows tolerated before backing off.
-        skip_non_finite: Skip steps whose gradients are not finite (default: with a dynamic
-            scale, and with bf16 at O1-O3).
-        allow_banned: Run banned functions in float32 instead of raising (O1).
         device_types: Device types whose tensors O1 casts (default: the models' devices).
         sync_overflow: All-reduce the overflow flag across ranks when torch.distributed runs
             with several ranks, so all ranks skip the same steps.
         process_group: The group for that all-reduce (default: the world).
+        **overrides: Any other field of `ampx.Properties` (`dtype`, `loss_scale`,
+            `num_losses`, `init_scale`, `skip_non_finite`, ...); its defaults and meanings
+            are those of `Properties`.
+
+    Raises:
+        UnknownOptionError: For a keyword `Properties` doesn't have (all are listed).
+        OptionError: For options that don't fit.
 
     Example::
 
@@ -135,62 +96,17 @@ class Amp:
             optimizer.step()
     """
 
-    def __init__(
-        self,
-        opt_level: str = "O1",
-        *,
-        enabled: bool = True,
-        dtype: Any = None,
-        cast_model_type: Any = None,
-        patch_torch_functions: Any = None,
-        keep_batchnorm_fp32: Any = None,
-        master_weights: Any = None,
-        loss_scale: Any = None,
-        cast_model_outputs: torch.dtype | None = None,
-        num_losses: int = 1,
-        verbosity: int = 1,
-        min_loss_scale: float | None = None,
-        max_loss_scale: float = 2.0**24,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
-        skip_non_finite: bool | None = None,
-        allow_banned: bool = False,
-        device_types: Any = None,
-        sync_overflow: bool = True,
-        process_group: Any = None,
-    ) -> None:
-        requested = dict(
-            opt_level=opt_level, enabled=enabled, dtype=dtype, cast_model_type=cast_model_type,
-            patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
-            master_weights=master_weights, loss_scale=loss_scale,
-            cast_model_outputs=cast_model_outputs, num_losses=num_losses, verbosity=verbosity,
-            min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale, init_scale=init_scale,
-            growth_factor=growth_factor, backoff_factor=backoff_factor,
-            growth_interval=growth_interval, hysteresis=hysteresis,
-            skip_non_finite=skip_non_finite, allow_banned=allow_banned,
-        )
-        self.requested = requested
+    def __init__(self, opt_level: str = "O1", *, sync_overflow: bool = True,
+                 process_group: Any = None, **overrides: Any) -> None:
+        self.requested: dict[str, Any] = {"opt_level": opt_level, **overrides}
         self.forced = forced_options()
-        options = _apply_forced(requested, self.forced)
-        self.properties: Properties = resolve_properties(**options)
-        if device_types is not None:
-            if isinstance(device_types, str):
-                device_types = [device_types]
-            device_types = frozenset(str(t) for t in device_types)
-        self._device_types: frozenset[str] | None = device_types
+        self.properties: Properties = resolve_properties(
+            **apply_forced(self.requested, self.forced))
         self.sync_overflow = sync_overflow
         self.process_group = process_group
         props = self.properties
         self.scalers: list[LossScaler] = [
-            LossScaler(
-                props.loss_scale, init_scale=props.init_scale, growth_factor=props.growth_factor,
-                backoff_factor=props.backoff_factor, growth_interval=props.growth_interval,
-                hysteresis=props.hysteresis, min_loss_scale=props.min_loss_scale,
-                max_loss_scale=props.max_loss_scale, loss_id=i,
-            )
+            LossScaler(props.scale, **props.scaler_options(), loss_id=i)
             for i in range(props.num_losses)
         ]
         self.models: list[torch.nn.Module] = []
@@ -223,7 +139,7 @@ class Amp:
         kwargs.update(overrides)
         return cls(**kwargs)
 
-    # -- configuration views -------------------------------------------------------------------
+    # -- configuration views (`Properties` decides) ------------------------------------------------
     @property
     def enabled(self) -> bool:
         """False when the session is a pass-through."""
@@ -231,24 +147,13 @@ class Amp:
 
     @property
     def skips_non_finite(self) -> bool:
-        """Whether steps with non-finite gradients are skipped."""
-        props = self.properties
-        if not props.enabled:
-            return False
-        if self.requested.get("skip_non_finite") is not None:
-            return props.skip_non_finite
-        if props.dynamic:
-            return True
-        return props.dtype == torch.bfloat16 and props.opt_level is not OptLevel.O0
+        """Whether steps with non-finite gradients are skipped (`Properties.skip_non_finite`)."""
+        return bool(self.properties.skip_non_finite)
 
     @property
     def scales_gradients(self) -> bool:
-        """False on apex's short-circuit path (no masters, static scale 1.0, no inf check)."""
-        props = self.properties
-        return props.enabled and (
-            props.master_weights or props.dynamic or props.loss_scale != 1.0
-            or self.skips_non_finite
-        )
+        """False on apex's short-circuit path (`Properties.scales_gradients`)."""
+        return self.properties.scales_gradients
 
     # -- initialize ---------------------------------------------------------------------------
     def initialize(self, models: Any, optimizers: Any = None) -> Any:
@@ -262,8 +167,10 @@ class Amp:
             TypeError: For models/optimizers of the wrong type.
             RuntimeError: For a model wrapped in (Distributed)DataParallel, an optimizer
                 already initialized, or a second `initialize` of this `Amp`.
-            OptionError: For options that don't fit.
-        Nothing is changed when it raises.
+            OptionError: For options that don't fit, and for inputs `initialize` refuses
+                (the same model twice, a meta-device model, an optimizer holding none of
+                the models' parameters; see `ampx.initializer.check_inputs`).
+        Nothing is changed when it raises, whatever it raises (KeyboardInterrupt included).
         """
         if self._initialized:
             raise RuntimeError(
@@ -274,65 +181,20 @@ class Amp:
         if not props.enabled:
             self._initialized = True
             return models if optimizers is None else (models, optimizers)
-
-        model_list, models_was_list = check_models(models)
-        opt_list, opts_was_list = check_optimizers(optimizers)
-        self._check_param_dtypes(model_list)
-        device_types = self._device_types or device_types_of(model_list)
-
+        inputs = initializer.check_inputs(models, optimizers,
+                                          casts_model=props.cast_model_type is not None)
+        self._check_param_dtypes(inputs.models)
         self._log_properties()
-        split: set[int] = set()
-        if props.master_weights and props.cast_model_type not in (None, torch.float32):
-            split = {id(p) for opt in opt_list for p in optimizer_params(opt)
-                     if p.is_floating_point()}
-        casts: list[ModelCast] = []
-        try:
-            outputs = props.cast_model_outputs
-            if props.cast_model_type is not None and outputs is None:
-                outputs = torch.float32
-            for model in model_list:
-                casts.append(cast_model(
-                    model, props.cast_model_type, keep_batchnorm_fp32=props.keep_batchnorm_fp32,
-                    split_params=split, cast_outputs=outputs,
-                ))
-            masters = MasterMap()
-            for record in casts:
-                for model_param, master in record.masters.pairs():
-                    masters.add(model_param, master)
-            for opt in opt_list:
-                if props.cast_model_type is not None and not props.master_weights:
-                    recast_state(opt)
-                attach(opt, self, masters)
-            device = _first_device(opt_list, model_list)
-            for scaler in self.scalers:
-                scaler.to_(device)
-            if props.patch_torch_functions:
-                self._o1 = patch.activate(patch.CastConfig(
-                    dtype=props.dtype, device_types=device_types,
-                    allow_banned=props.allow_banned, verbose=props.verbosity == 2,
-                ))
-        except BaseException:
-            for record in casts:
-                record.undo()  # weights, buffers and hooks as handed in
-            for opt in opt_list:
-                state = amp_state_of(opt)
-                if state is not None:
-                    state.detach()
-                    del opt._ampx  # type: ignore[attr-defined]
-            raise
-        self.models, self.optimizers, self._model_casts = model_list, opt_list, casts
+        prepared = initializer.prepare(self, inputs)
+        self.models, self.optimizers = inputs.models, inputs.optimizers
+        self._model_casts, self._o1 = prepared.casts, prepared.o1
         self._initialized = True
         tel = telemetry.sink()
         if tel is not None:
             tel.emit("init", opt_level=props.opt_level.value, dtype=_dtype_name(props.dtype),
-                     loss_scale=props.loss_scale, properties=props.as_dict(),
+                     loss_scale=props.scale, properties=props.as_dict(),
                      requested=_jsonable(self.requested), forced=_jsonable(self.forced))
-        models_out = model_list if models_was_list else model_list[0]
-        if opts_was_list:
-            return models_out, opt_list
-        if not opt_list:
-            return models_out
-        return models_out, opt_list[0]
+        return inputs.returned()
 
     def _check_param_dtypes(self, models: list[torch.nn.Module]) -> None:
         for model in models:
@@ -351,7 +213,7 @@ class Amp:
         if props.verbosity == 0 or distributed.rank() != 0:
             return
         logger.info("Selected optimization level %s:  %s", props.opt_level.value,
-                    BRIEFS[props.opt_level])
+                    brief(props.opt_level, props.dtype))
         for key, value in props.as_dict().items():
             logger.info("%-22s : %s", key, value)
         replaced = {k: (self.requested.get(k), v) for k, v in self.forced.items()
@@ -569,35 +431,12 @@ def _scaler_index(key: Any) -> tuple[bool, int]:
     return False, -1
 
 
-def _apply_forced(requested: dict[str, Any], forced: dict[str, Any]) -> dict[str, Any]:
-    options = dict(requested)
-    if not forced:
-        return options
-    if "opt_level" in forced and forced["opt_level"] != requested.get("opt_level"):
-        for key in _LEVEL_SPECIFIC:
-            if key not in forced:
-                options[key] = None
-    options.update(forced)
-    return options
-
-
 def _optimizer_list(optimizers: Any) -> list[Any]:
     if optimizers is None:
         return []
     if isinstance(optimizers, (list, tuple)):
         return list(optimizers)
     return [optimizers]
-
-
-def _first_device(optimizers: list[torch.optim.Optimizer],
-                  models: list[torch.nn.Module]) -> torch.device:
-    for opt in optimizers:
-        for param in optimizer_params(opt):
-            return param.device
-    for model in models:
-        for param in model.parameters():
-            return param.device
-    return torch.device("cpu")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -611,6 +450,9 @@ def _jsonable(options: Mapping[str, Any]) -> dict[str, Any]:
 # -- the apex-style module functions (a default session) -----------------------------------------
 
 _DEFAULT: Amp | None = None
+# apex's `_amp_state.loss_scalers`: one list, shared by every session the module-level
+# `initialize` made, refilled by each of them (so `loss_id` means the same scaler for all).
+_SCALERS: list[LossScaler] = []
 
 
 def default_session() -> Amp | None:
@@ -637,13 +479,16 @@ def initialize(
 ) -> Any:
     """apex's `amp.initialize`: same arguments, same return shapes, same option errors.
 
-    Extra keyword options (`dtype`, `init_scale`, `growth_factor`, `backoff_factor`,
-    `growth_interval`, `hysteresis`, `skip_non_finite`, `allow_banned`, `device_types`,
-    `sync_overflow`, `process_group`) are those of `Amp`.
+    The defaults are those of `ampx.Properties` (a test keeps them equal). Extra keyword
+    options are those of `Amp` (`dtype`, `init_scale`, `growth_interval`, `skip_non_finite`,
+    `device_types`, `sync_overflow`, ...).
 
-    Calling it again starts a new default session: the previous one's O1 patches are
-    replaced (by the new O1 patches, or removed when the new level is not O1; no stacked
-    wrappers), and the models and optimizers it returned keep working with their own scalers.
+    Calling it again starts a new default session, as in apex: the loss scalers are
+    rebuilt, and `loss_id` then picks the fresh scalers for *every* optimizer a module-level
+    `initialize` returned, the earlier ones included (apex's single `_amp_state.loss_scalers`
+    list; `ampx.Amp` sessions keep scalers of their own instead). The previous session's O1
+    patches are replaced (by the new O1 patches, or removed when the new level is not O1; no
+    stacked wrappers). A disabled `initialize` leaves the scalers as they were.
 
     Example::
 
@@ -656,6 +501,7 @@ def initialize(
         OptionError: (a ValueError and a RuntimeError) for options that don't fit.
         TypeError: For models/optimizers of the wrong type.
         RuntimeError: For a DataParallel-wrapped model or an optimizer passed twice.
+    Nothing is changed when it raises.
     """
     global _DEFAULT
     amp = Amp(
@@ -666,6 +512,9 @@ def initialize(
         min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale, **options,
     )
     result = amp.initialize(models, optimizers)
+    if amp.enabled:
+        _SCALERS[:] = amp.scalers
+    amp.scalers = _SCALERS
     previous, _DEFAULT = _DEFAULT, amp
     if previous is not None and not amp.properties.patch_torch_functions and previous.owns_patches:
         # A new default session replaces the old one cleanly: its O1 casts must not leak
