@@ -283,8 +283,9 @@ def _cast_weights(model: nn.Module, dtype: torch.dtype, keep_bn: bool | None,
     done: set[int] = set()
     with torch.no_grad():
         for module in model.modules():
-            if _is_kept_batchnorm(module, keep_bn):
-                continue
+            # kept batchnorm is float32 even in a model that was half before initialize
+            kept = _is_kept_batchnorm(module, keep_bn)
+            target = torch.float32 if kept else dtype
             if isinstance(module, nn.RNNBase):  # undone last: after the params are back
                 undo.append(module._init_flat_weights)
             for name, param in list(module._parameters.items()):
@@ -293,18 +294,20 @@ def _cast_weights(model: nn.Module, dtype: torch.dtype, keep_bn: bool | None,
                 if id(param) in replaced:
                     undo.append(functools.partial(setattr, module, name, param))
                     setattr(module, name, replaced[id(param)])
-                elif id(param) in split_params:
+                elif id(param) in split_params and not kept:
                     replaced[id(param)] = _split(module, name, param, dtype, record)
-                elif id(param) not in done and param.dtype != dtype:
+                elif id(param) not in done and param.dtype != target and (
+                        not kept or param.dtype in (torch.float16, torch.bfloat16)):
                     undo.append(functools.partial(_set_data, param, param.data, param.grad))
-                    param.data = param.data.to(dtype)
+                    param.data = param.data.to(target)
                     if param.grad is not None:
-                        param.grad = param.grad.to(dtype)
+                        param.grad = param.grad.to(target)
                     done.add(id(param))
             for name, buf in list(module._buffers.items()):
-                if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                if (buf is not None and buf.is_floating_point() and buf.dtype != target
+                        and (not kept or buf.dtype in (torch.float16, torch.bfloat16))):
                     undo.append(functools.partial(module._buffers.__setitem__, name, buf))
-                    module._buffers[name] = buf.to(dtype)
+                    module._buffers[name] = buf.to(target)
             if isinstance(module, nn.RNNBase):
                 module._init_flat_weights()
 
