@@ -29,7 +29,7 @@ from .frontend import (
     state_dict,
     step_was_skipped,
 )
-from .opt_levels import OptionError, OptLevel, Properties
+from .opt_levels import OptionError, OptLevel, Properties, UnknownOptionError
 from .optimizer import master_params
 from .patch import (
     CastError,
@@ -52,6 +52,7 @@ __all__ = [
     "OptLevel",
     "OptionError",
     "Properties",
+    "UnknownOptionError",
     # apex's module functions (also in ampx.amp) and ampx's additions
     "add_args",
     "amp",

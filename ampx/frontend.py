@@ -479,26 +479,22 @@ def initialize(
 ) -> Any:
     """apex's `amp.initialize`: same arguments, same return shapes, same option errors.
 
-    The defaults are those of `ampx.Properties` (a test keeps them equal). Extra keyword
-    options are those of `Amp` (`dtype`, `init_scale`, `growth_interval`, `skip_non_finite`,
-    `device_types`, `sync_overflow`, ...).
+    Defaults are `ampx.Properties`' (a test keeps them equal); extra keyword options are
+    those of `Amp` (`dtype`, `init_scale`, `skip_non_finite`, `sync_overflow`, ...).
 
     Calling it again starts a new default session, as in apex: the loss scalers are
     rebuilt, and `loss_id` then picks the fresh scalers for *every* optimizer a module-level
-    `initialize` returned, the earlier ones included (apex's single `_amp_state.loss_scalers`
-    list; `ampx.Amp` sessions keep scalers of their own instead). The previous session's O1
-    patches are replaced (by the new O1 patches, or removed when the new level is not O1; no
-    stacked wrappers). A disabled `initialize` leaves the scalers as they were.
+    `initialize` returned, the earlier ones too (apex's one `_amp_state.loss_scalers` list;
+    `ampx.Amp` sessions keep scalers of their own). The previous session's O1 patches are
+    replaced (or removed when the new level is not O1). A disabled `initialize` leaves the
+    scalers as they were.
 
     Example::
 
         model, optimizer = ampx.initialize(model, optimizer, opt_level="O2", dtype="bf16")
-        with ampx.scale_loss(loss, optimizer) as scaled_loss:
-            scaled_loss.backward()
-        optimizer.step()
 
     Raises:
-        OptionError: (a ValueError and a RuntimeError) for options that don't fit.
+        OptionError: (a ValueError and a RuntimeError) for options or inputs that don't fit.
         TypeError: For models/optimizers of the wrong type.
         RuntimeError: For a DataParallel-wrapped model or an optimizer passed twice.
     Nothing is changed when it raises.
@@ -597,7 +593,8 @@ def step_was_skipped(optimizer: torch.optim.Optimizer) -> bool:
 def restore() -> None:
     """Undo O1's patching: torch, torch.Tensor and torch.nn.functional get their original objects.
 
-    Models and optimizers keep their casts and hooks; the default session is forgotten.
+    Models and optimizers keep their casts and hooks; the default session is forgotten (the
+    optimizers it returned keep using the shared loss scalers until the next `initialize`).
     """
     global _DEFAULT
     patch.deactivate()
