@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,9 +20,6 @@ from . import patch
 from .model import MasterMap, ModelCast, cast_model, check_models, device_types_of
 from .opt_levels import OptionError
 from .optimizer import attach, check_optimizers, optimizer_params, recast_state
-
-if TYPE_CHECKING:
-    from .frontend import Amp
 
 __all__ = ["Inputs", "Prepared", "check_inputs", "prepare"]
 
@@ -100,8 +97,14 @@ def _check_materialized(index: int, model: nn.Module) -> None:
                 "weights) before ampx.initialize.")
 
 
-def prepare(session: Amp, inputs: Inputs) -> Prepared:
+def prepare(session: Any, inputs: Inputs) -> Prepared:
     """Cast, attach and patch for `session`; all or nothing.
+
+    Args:
+        session: The `ampx.Amp` being initialized (its `properties` and `scalers` are read;
+            it becomes the optimizers' session). Not imported here: `frontend` imports this
+            module.
+        inputs: What `check_inputs` returned.
 
     Raises:
         BaseException: Whatever a step raised, after every change was undone.

@@ -150,3 +150,18 @@ def test_object_sessions_keep_their_own_scalers_beside_module_level_ones() -> No
     ampx.initialize(*make(2), opt_level="O2", init_scale=2.0, verbosity=0)
     assert amp.loss_scale() == 4.0 and amp.scalers is not ampx.amp._amp_state.loss_scalers
     assert ampx.amp._amp_state.loss_scalers[0].loss_scale() == 2.0
+
+
+def test_package_names_load_lazily_in_a_fresh_process() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, ampx; assert 'torch' not in sys.modules and 'ampx.frontend' not in "
+            "sys.modules; from ampx import amp, Amp; import ampx.frontend as f; "
+            "assert Amp is f.Amp and amp.initialize is ampx.initialize; "
+            "assert sorted(ampx.__all__) == sorted([*ampx._EXPORTS, 'amp']); "
+            "assert all(getattr(ampx, n) is not None for n in ampx.__all__); "
+            "assert set(ampx.__all__) <= set(dir(ampx))")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        ampx.nothing  # noqa: B018

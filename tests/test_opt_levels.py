@@ -261,3 +261,35 @@ def test_cast_model_outputs_is_the_effective_value(level: str, expected: Any) ->
     assert resolve_properties(level).cast_model_outputs == expected
     assert resolve_properties(level, cast_model_outputs=torch.float16).cast_model_outputs \
         == torch.float16
+
+
+# -- forced options (`ampx run -O ...`) live here too -------------------------------------------
+
+def test_forced_options_replace_the_scripts_and_drop_level_options() -> None:
+    requested = {"opt_level": "O1", "loss_scale": 128.0, "patch_torch_functions": True}
+    assert opt_levels.apply_forced(requested, {}) == requested
+    options = opt_levels.apply_forced(requested, {"opt_level": "O2", "dtype": "bf16"})
+    assert options == {"opt_level": "O2", "loss_scale": 128.0, "dtype": "bf16"}
+    opt_levels.set_forced_options({"opt_level": "O3"})
+    assert opt_levels.forced_options() == {"opt_level": "O3"}
+    amp = ampx.Amp("O1", keep_batchnorm_fp32=None, patch_torch_functions=True, verbosity=0)
+    assert amp.properties.opt_level is OptLevel.O3 and amp.requested["opt_level"] == "O1"
+    with pytest.raises(ValueError, match="cannot force \\['init_scale'\\]"):
+        opt_levels.set_forced_options({"init_scale": 2.0})
+    assert opt_levels.forced_options() == {"opt_level": "O3"}  # unchanged by the bad call
+
+
+@pytest.mark.parametrize("forced,error", [
+    ({"opt_level": "O1", "master_weights": True}, "master_weights with O1"),
+    ({"dtype": "fp8"}, "not a half-precision dtype"),
+    ({"opt_level": "00"}, "the letter O, not the number zero"),
+    ({"min_loss_scale": 4.0, "max_loss_scale": 2.0}, "is larger than"),
+    ({"master_weights": True}, None),  # the script's level decides
+    ({"enabled": False, "opt_level": "O2"}, None),
+])
+def test_check_forced(forced: dict[str, Any], error: str | None) -> None:
+    if error is None:
+        opt_levels.check_forced(forced)
+    else:
+        with pytest.raises(OptionError, match=error):
+            opt_levels.check_forced(forced)
