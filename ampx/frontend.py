@@ -38,6 +38,7 @@ from .optimizer import (
     prepare_backward,
     restore_stash,
 )
+from .option_values import HALF_DTYPES
 from .scaler import LossScaler
 
 __all__ = [
@@ -199,7 +200,7 @@ class Amp:
     def _check_param_dtypes(self, models: list[torch.nn.Module]) -> None:
         for model in models:
             for name, param in model.named_parameters():
-                if param.dtype in (torch.float16, torch.bfloat16):
+                if param.dtype in HALF_DTYPES:
                     logger.warning(
                         "ampx.initialize: parameter %s is already %s. You do not need to call "
                         ".half() on your model before initialize; ampx accepts it, but fp32 "

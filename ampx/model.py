@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .casting import cast_tree
+from .option_values import HALF_DTYPES
 
 __all__ = ["MasterMap", "ModelCast", "cast_model", "check_models", "device_types_of"]
 
@@ -158,7 +159,7 @@ class Fp32StateDict(_MastersRef):
         for name in module._buffers:
             key = prefix + name
             value = state.get(key)
-            if value is not None and value.dtype in (torch.float16, torch.bfloat16):
+            if value is not None and value.dtype in HALF_DTYPES:
                 state[key] = value.float()
 
 
@@ -297,7 +298,7 @@ def _cast_weights(model: nn.Module, dtype: torch.dtype, keep_bn: bool | None,
                 elif id(param) in split_params and not kept:
                     replaced[id(param)] = _split(module, name, param, dtype, record)
                 elif id(param) not in done and param.dtype != target and (
-                        not kept or param.dtype in (torch.float16, torch.bfloat16)):
+                        not kept or param.dtype in HALF_DTYPES):
                     undo.append(functools.partial(_set_data, param, param.data, param.grad))
                     param.data = param.data.to(target)
                     if param.grad is not None:
@@ -305,7 +306,7 @@ def _cast_weights(model: nn.Module, dtype: torch.dtype, keep_bn: bool | None,
                     done.add(id(param))
             for name, buf in list(module._buffers.items()):
                 if (buf is not None and buf.is_floating_point() and buf.dtype != target
-                        and (not kept or buf.dtype in (torch.float16, torch.bfloat16))):
+                        and (not kept or buf.dtype in HALF_DTYPES)):
                     undo.append(functools.partial(module._buffers.__setitem__, name, buf))
                     module._buffers[name] = buf.to(target)
             if isinstance(module, nn.RNNBase):
@@ -320,7 +321,7 @@ def _split(module: nn.Module, name: str, param: nn.Parameter, dtype: torch.dtype
     gets float32 data, so O2 always steps float32 masters.
     """
     half = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
-    if param.dtype in (torch.float16, torch.bfloat16):
+    if param.dtype in HALF_DTYPES:
         record.undo_log.append(functools.partial(_set_data, param, param.data, param.grad))
         grad = param.grad
         param.grad = None
