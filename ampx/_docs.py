@@ -27,7 +27,7 @@ _OVERRIDE_RULES: tuple[tuple[str, str], ...] = (
                         "dtype other than `dtype`"),
     ("patch_torch_functions", "True with any level but O1"),
     ("keep_batchnorm_fp32", "anything but None with O1; not True/False/None/'True'/'False'"),
-    ("master_weights", "anything but None with O1"),
+    ("master_weights", "anything but None with O1; not True/False/None/'True'/'False'"),
     ("loss_scale", "not 'dynamic', a positive number a float32 can hold, or a numeric string"),
     ("dtype", "not float16/bfloat16 (or 'fp16', 'bf16', 'float16', 'bfloat16', 'half')"),
     ("cast_model_outputs", "not a floating torch dtype"),

@@ -256,7 +256,7 @@ def _level_values(level: OptLevel, half: torch.dtype, given: Mapping[str, Any]) 
                 "It doesn't make sense to use master_weights with O1. With O1, your model "
                 "weights themselves should be FP32."
             )
-        values["master_weights"] = parse_flag("master_weights", given["master_weights"])
+        values["master_weights"] = parse_bool("master_weights", given["master_weights"])
     if given.get("loss_scale") is not None:
         values["loss_scale"] = parse_loss_scale(given["loss_scale"])
     elif half is torch.bfloat16:

@@ -78,6 +78,7 @@ def test_cast_model_type_bf16_selects_the_session_dtype() -> None:
     (dict(loss_scale="128.0"), "loss_scale", 128.0),
     (dict(loss_scale=64), "loss_scale", 64.0),
     (dict(master_weights=False), "master_weights", False),
+    (dict(master_weights="False"), "master_weights", False),  # a string, read as apex's
 ])
 def test_valid_overrides(kwargs: dict[str, Any], field: str, expected: Any) -> None:
     props = resolve_properties("O2", **kwargs)
@@ -149,7 +150,7 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     (dict(opt_level="O2", growth_interval=2**31), "< 2**31"),
     (dict(opt_level="O2", skip_non_finite="no"), "skip_non_finite='no' must be True or False"),
     (dict(opt_level="O1", allow_banned="yes"), "allow_banned='yes' must be True or False"),
-    (dict(opt_level="O2", master_weights="False"), "master_weights='False' must be True or"),
+    (dict(opt_level="O2", master_weights="maybe"), "master_weights='maybe' is not valid"),
     (dict(opt_level="O2", cast_model_outputs=torch.int64), "cast_model_outputs=torch.int64"),
 ]
 
