@@ -73,13 +73,12 @@ class Amp:
 
     Args:
         opt_level: "O0", "O1", "O2" or "O3" (apex's table, see docs/opt-levels.md).
-        device_types: Device types whose tensors O1 casts (default: the models' devices).
         sync_overflow: All-reduce the overflow flag across ranks when torch.distributed runs
             with several ranks, so all ranks skip the same steps.
         process_group: The group for that all-reduce (default: the world).
         **overrides: Any other field of `ampx.Properties` (`dtype`, `loss_scale`,
-            `num_losses`, `init_scale`, `skip_non_finite`, ...); its defaults and meanings
-            are those of `Properties`.
+            `num_losses`, `init_scale`, `skip_non_finite`, `device_types`, ...), with the
+            defaults and meanings of `Properties`.
 
     Raises:
         UnknownOptionError: For a keyword `Properties` doesn't have (all are listed).
