@@ -17,9 +17,11 @@ import torch
 from torch import nn
 
 from . import patch
+from .masters import optimizer_params, recast_state
 from .model import MasterMap, ModelCast, cast_model, check_models, device_types_of
 from .opt_levels import OptionError
-from .optimizer import attach, check_optimizers, optimizer_params, recast_state
+from .optimizer import Policy
+from .stepping import attach, check_optimizers
 
 __all__ = ["Inputs", "Prepared", "check_inputs", "prepare"]
 
@@ -97,7 +99,7 @@ def _check_materialized(index: int, model: nn.Module) -> None:
                 "weights) before ampx.initialize.")
 
 
-def prepare(session: Any, inputs: Inputs) -> Prepared:
+def prepare(session: Any, inputs: Inputs, policy: Policy) -> Prepared:
     """Cast, attach and patch for `session`; all or nothing.
 
     Args:
@@ -105,6 +107,7 @@ def prepare(session: Any, inputs: Inputs) -> Prepared:
             it becomes the optimizers' session). Not imported here: `frontend` imports this
             module.
         inputs: What `check_inputs` returned.
+        policy: The session's policy, handed to each optimizer's state.
 
     Raises:
         BaseException: Whatever a step raised, after every change was undone.
@@ -128,7 +131,7 @@ def prepare(session: Any, inputs: Inputs) -> Prepared:
             undo.append(_optimizer_undo(opt))
             if props.cast_model_type is not None:
                 recast_state(opt)
-            attach(opt, session, masters)
+            attach(opt, session, masters, policy)
         device = _first_device(inputs)
         for scaler in session.scalers:
             scaler.to_(device)
@@ -153,7 +156,7 @@ def _optimizer_undo(opt: torch.optim.Optimizer) -> Callable[[], None]:
     hook_keys = [set(h) for h in hooks]
     state = {p: dict(s) for p, s in opt.state.items()}
     groups = [list(g["params"]) for g in opt.param_groups]
-    attrs = set(vars(opt))
+    attrs = dict(vars(opt))  # attach adds `_ampx` and an instance `zero_grad`
 
     def undo() -> None:
         for live, keys in zip(hooks, hook_keys):
@@ -168,6 +171,9 @@ def _optimizer_undo(opt: torch.optim.Optimizer) -> Callable[[], None]:
             group["params"][:] = params
         for name in [a for a in vars(opt) if a not in attrs]:
             delattr(opt, name)
+        for name, value in attrs.items():
+            if vars(opt).get(name) is not value:
+                setattr(opt, name, value)
 
     return undo
 

@@ -183,7 +183,7 @@ def test_load_state_dict_assign_keeps_the_cast_model_working(level: str,
         assert model[0].weight.dtype == half_dtype and model[1].weight.dtype == bn_dtype
         assert model[1].running_var.dtype == bn_dtype
         if level == "O2":
-            assert torch.equal(ampx.master_params(opt).__next__(), checkpoint["0.weight"])
+            assert torch.equal(next(iter(ampx.master_params(opt))), checkpoint["0.weight"])
         _train(model, opt, steps=2)
         runs.append(model.state_dict())
     for key in runs[0]:
