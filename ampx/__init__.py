@@ -24,9 +24,9 @@ __version__ = "0.1.0"
 # public name -> the module defining it
 _EXPORTS: dict[str, str] = {
     # the object API and configuration
-    "Amp": "frontend",
+    "Amp": "session",
     "CastError": "patch",
-    "CheckpointError": "frontend",
+    "CheckpointError": "checkpoint",
     "LossScaler": "scaler",
     "OptLevel": "opt_levels",
     "OptionError": "opt_levels",
@@ -81,10 +81,9 @@ __all__ = [
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     from . import amp
+    from .checkpoint import CheckpointError
     from .compat.options import add_args
     from .frontend import (
-        Amp,
-        CheckpointError,
         deinitialize,
         initialize,
         load_state_dict,
@@ -106,6 +105,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
         register_promote_function,
     )
     from .scaler import LossScaler
+    from .session import Amp
 
 
 def __getattr__(name: str) -> Any:
