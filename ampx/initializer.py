@@ -104,7 +104,7 @@ def prepare(session: Any, inputs: Inputs, policy: Policy) -> Prepared:
 
     Args:
         session: The `ampx.Amp` being initialized (its `properties` and `scalers` are read;
-            it becomes the optimizers' session). Not imported here: `frontend` imports this
+            it becomes the optimizers' session). Not imported here: `session` imports this
             module.
         inputs: What `check_inputs` returned.
         policy: The session's policy, handed to each optimizer's state.
