@@ -318,3 +318,159 @@ def test_fused_optimizers_match_their_torch_twins(ours: Any, theirs: Any, kwargs
         opt_b.step()
     for pa, pb in zip(a, b):
         torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+# -- optimizer behaviour ------------------------------------------------------------------------
+
+ALL_FUSED = [(FusedAdam, {}), (FusedSGD, {"lr": 0.1, "momentum": 0.9}), (FusedLAMB, {}),
+             (FusedNovoGrad, {})]
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), ALL_FUSED, ids=lambda x: getattr(x, "__name__", ""))
+def test_set_grad_none_and_state_dict_round_trip(cls: Any, kwargs: dict) -> None:
+    params = _params(torch.float32)
+    opt = cls(params, **kwargs)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.zero_grad()
+    expect_none = getattr(opt, "set_grad_none")
+    assert all((p.grad is None) == expect_none for p in params)
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in params)
+
+    twin_params = [p.detach().clone().requires_grad_() for p in params]
+    twin = cls(twin_params, **kwargs)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    twin.load_state_dict(torch.load(buffer, weights_only=True))
+    for _ in range(2):
+        grads = _grads(params)
+        for p, q, g in zip(params, twin_params, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        twin.step()
+    for p, q in zip(params, twin_params):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), ALL_FUSED, ids=lambda x: getattr(x, "__name__", ""))
+def test_a_step_without_gradients_changes_nothing(cls: Any, kwargs: dict) -> None:
+    params = _params(torch.float32)
+    opt = cls(params, **kwargs)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    state = [v.clone() for s in opt.state.values() for v in s.values()]
+    steps = [g.get("step") for g in opt.param_groups]
+    opt.zero_grad(set_to_none=True)
+    opt.step()  # what ampx's skipped step leaves the optimizer with: no gradients
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    assert [g.get("step") for g in opt.param_groups] == steps
+    after = [v for s in opt.state.values() for v in s.values()]
+    assert len(after) == len(state) and all(torch.equal(a, b) for a, b in zip(after, state))
+
+
+def test_optimizer_errors_name_the_option() -> None:
+    p = [torch.zeros(2, requires_grad=True)]
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        FusedAdam(p, amsgrad=True)
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        FusedLAMB(p, amsgrad=True)
+    with pytest.raises(ValueError, match="lr"):
+        FusedAdam(p, lr=-1)
+    with pytest.raises(ValueError, match="betas"):
+        FusedLAMB(p, betas=(1.0, 0.9))
+    with pytest.raises(ValueError, match="norm_type"):
+        FusedNovoGrad(p, norm_type=1)
+    with pytest.raises(ValueError, match="Nesterov"):
+        FusedSGD(p, lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="required optimization parameter lr"):
+        FusedSGD(p)
+    with pytest.raises(RuntimeError, match="call step\\(\\) with no arguments"):
+        FusedAdam(p).step(scale=128.0)
+    sparse = torch.zeros(3, requires_grad=True)
+    sparse.grad = torch.zeros(3).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        FusedAdam([sparse]).step()
+
+
+def test_fused_adam_master_weights_keep_fp32_copies() -> None:
+    p = torch.randn(8).bfloat16().requires_grad_()
+    start = p.detach().float()
+    opt = FusedAdam([p], lr=1e-4, master_weights=True)
+    expected, st = start.clone(), {}
+    for step in range(1, 4):
+        g = torch.randn(8).bfloat16()
+        p.grad = g
+        opt.step()
+        expected = ref_adam(expected, g.float(), st, step, lr=1e-4)
+    master = opt.state[p]["master_param"]
+    assert master.dtype == torch.float32
+    torch.testing.assert_close(master, expected, rtol=3e-6, atol=3e-7)
+    assert torch.equal(p.detach(), expected.bfloat16())  # one rounding, from the master
+
+
+def test_closure_runs_with_grad_enabled() -> None:
+    w = torch.ones(3, requires_grad=True)
+    opt = FusedLAMB([w])
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (w * 2).sum()
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        loss = opt.step(closure)
+    assert float(loss.detach()) == 6.0 and not torch.equal(w.detach(), torch.ones(3))
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), ALL_FUSED, ids=lambda x: getattr(x, "__name__", ""))
+def test_under_ampx_o2_fp16_overflow_skips_the_step(cls: Any, kwargs: dict) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = cls(model.parameters(), **kwargs)
+    model, opt = ampx.initialize(model, opt, opt_level="O2", dtype="fp16", verbosity=0)
+    x = torch.randn(16, 4).half()
+    for _ in range(2):
+        opt.zero_grad()
+        with ampx.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert all(v.dtype == torch.float32 for s in opt.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+    before = [p.detach().clone() for p in model.parameters()]
+    masters = [p.detach().clone() for p in ampx.master_params(opt)]
+    opt.zero_grad()
+    with ampx.scale_loss(model(x).float().sum() * float("inf"), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert ampx.step_was_skipped(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(masters, ampx.master_params(opt)))
+    ampx.restore()
+
+
+# -- Tensor.cpu under O1 (issue 11 item 1; apex's test_cpu_is_float) ------------------------------
+
+def test_cpu_is_float(half_dtype: torch.dtype) -> None:
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampx.initialize(model, opt, opt_level="O1", dtype=half_dtype, verbosity=0)
+    for dtype in (torch.float32, half_dtype):
+        x = torch.randn(5, dtype=dtype, requires_grad=True)
+        y = x.cpu()
+        assert y.dtype == torch.float32
+        y.float().sum().backward()
+        assert x.grad is not None and x.grad.dtype == dtype  # the gradient goes back in kind
+    logits = model(torch.randn(2, 4))
+    assert logits.dtype == half_dtype
+    array = logits.detach().cpu().numpy()  # numpy has no bfloat16: this raised before
+    assert array.dtype.name == "float32" and array.shape == (2, 3)
+    with ampx.disable_casts():
+        assert logits.cpu().dtype == half_dtype
+    assert torch.randn(2, dtype=torch.float64).cpu().dtype == torch.float64
+    ampx.restore()
+    assert logits.cpu().dtype == half_dtype
