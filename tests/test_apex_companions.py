@@ -13,6 +13,7 @@ import inspect
 import io
 import math
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -474,3 +475,304 @@ def test_cpu_is_float(half_dtype: torch.dtype) -> None:
     assert torch.randn(2, dtype=torch.float64).cpu().dtype == torch.float64
     ampx.restore()
     assert logits.cpu().dtype == half_dtype
+
+
+# -- apex.normalization -------------------------------------------------------------------------
+
+def ref_layer_norm(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, dims: int,
+                   eps: float) -> torch.Tensor:
+    """apex's layer norm contract: float32 statistics (biased variance), then the affine."""
+    xf = x.float()
+    axes = tuple(range(-dims, 0))
+    mean = xf.mean(axes, keepdim=True)
+    var = ((xf - mean) ** 2).mean(axes, keepdim=True)
+    out = (xf - mean) / torch.sqrt(var + eps)
+    return out if w is None else out * w.float() + b.float()  # type: ignore[union-attr]
+
+
+def ref_rms_norm(x: torch.Tensor, w: torch.Tensor | None, dims: int, eps: float
+                 ) -> torch.Tensor:
+    xf = x.float()
+    out = xf / torch.sqrt(xf.pow(2).mean(tuple(range(-dims, 0)), keepdim=True) + eps)
+    return out if w is None else out * w.float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [8, [4, 8]], ids=str)
+def test_fused_layer_norm(shape: Any, dtype: torch.dtype) -> None:
+    layer = normalization.FusedLayerNorm(shape, eps=1e-5)
+    assert [n for n, _ in layer.named_parameters()] == ["weight", "bias"]
+    layer.load_state_dict(nn.LayerNorm(shape).state_dict())  # checkpoints load both ways
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    x = torch.randn(3, 4, 8).to(dtype).requires_grad_()
+    out = layer(x)
+    assert out.dtype == dtype
+    dims = len(layer.normalized_shape)
+    _close(out.detach(), ref_layer_norm(x.detach(), layer.weight, layer.bias, dims, 1e-5)
+           .to(dtype))
+    out.float().sum().backward()
+    assert x.grad is not None and x.grad.dtype == dtype and layer.weight.grad is not None
+    if dtype == torch.float32:  # the same as torch's layer norm
+        torch.testing.assert_close(out, F.layer_norm(x, layer.normalized_shape, layer.weight,
+                                                     layer.bias, 1e-5))
+    plain = normalization.FusedLayerNorm(shape, elementwise_affine=False)
+    assert list(plain.parameters()) == [] and plain.weight is None
+    _close(plain(x).detach(), ref_layer_norm(x.detach(), None, None, dims, 1e-5).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_rms_norm(dtype: torch.dtype) -> None:
+    layer = normalization.FusedRMSNorm(8, eps=1e-6)
+    with torch.no_grad():
+        layer.weight.normal_()
+    x = torch.randn(5, 8).to(dtype)
+    out = layer(x)
+    assert out.dtype == dtype
+    _close(out, ref_rms_norm(x, layer.weight, 1, 1e-6).to(dtype))
+    torch_rms = nn.RMSNorm(8, eps=1e-6)
+    torch_rms.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(layer(x.float()), torch_rms(x.float()))
+    assert list(normalization.FusedRMSNorm(8, elementwise_affine=False).parameters()) == []
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=str)
+def test_mixed_fused_norms_return_the_parameter_dtype(half: torch.dtype) -> None:
+    x = torch.randn(4, 8).to(half)
+    ln = normalization.MixedFusedLayerNorm(8)
+    rms = normalization.MixedFusedRMSNorm(8)
+    assert ln(x).dtype == torch.float32 and rms(x).dtype == torch.float32
+    torch.testing.assert_close(ln(x), ref_layer_norm(x, ln.weight, ln.bias, 1, 1e-5))
+    torch.testing.assert_close(rms(x), ref_rms_norm(x, rms.weight, 1, 1e-5))
+    assert normalization.FusedLayerNorm(8)(x).dtype == half  # the non-mixed one: input dtype
+    ln.to(half)
+    assert ln(x.float()).dtype == half
+    with pytest.warns(UserWarning, match="does not support `elementwise_affine`"):
+        normalization.MixedFusedLayerNorm(8, elementwise_affine=True)
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="= False"):
+        normalization.MixedFusedRMSNorm(8, elementwise_affine=False)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        normalization.MixedFusedLayerNorm(8, bogus=1)
+
+
+def test_fused_layer_norm_under_o1_keeps_fp32_statistics() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), normalization.FusedLayerNorm(8), nn.Linear(8, 2))
+    opt = FusedAdam(model.parameters(), lr=1e-3)
+    model, opt = ampx.initialize(model, opt, opt_level="O1", dtype="bf16", verbosity=0)
+    x = torch.randn(4, 8)
+    hidden = model[0](x)
+    assert hidden.dtype == torch.bfloat16
+    normed = model[1](hidden)
+    assert normed.dtype == torch.bfloat16  # apex's fused kernel: the input's dtype
+    _close(normed.detach(), ref_layer_norm(hidden.detach(), model[1].weight, model[1].bias, 1,
+                                           1e-5).bfloat16())
+    ampx.restore()
+
+
+# -- apex.fp16_utils ----------------------------------------------------------------------------
+
+def _bn_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_network_to_half_and_bn_convert_float() -> None:
+    net = fp16_utils.network_to_half(_bn_net())
+    assert isinstance(net[0], fp16_utils.tofp16)
+    inner = net[1]
+    assert inner[0].weight.dtype == torch.float16 and inner[3].weight.dtype == torch.float16
+    assert inner[1].weight.dtype == torch.float32 and inner[1].running_mean.dtype == torch.float32
+    assert net(torch.randn(6, 4)).dtype == torch.float16  # float input cast by tofp16
+    assert fp16_utils.BN_convert_float(_bn_net().half())[1].weight.dtype == torch.float32
+
+
+def test_convert_network_and_fp16_model() -> None:
+    net = fp16_utils.convert_network(_bn_net(), torch.bfloat16)
+    assert net[0].weight.dtype == torch.bfloat16 and net[1].weight.dtype == torch.float32
+    model = fp16_utils.FP16Model(_bn_net())
+    assert model(torch.randn(3, 4)).dtype == torch.float16
+    module = fp16_utils.FP16_Module(nn.Linear(4, 2))
+    out = module(torch.randn(3, 4))
+    assert out.dtype == torch.float32 and module.module.weight.dtype == torch.float16
+    assert set(module.state_dict()) == {"weight", "bias"}
+    assert fp16_utils.fp32_to_fp16([torch.ones(1), (torch.ones(1, dtype=torch.int64),)])[0] \
+        .dtype == torch.float16
+    assert fp16_utils.to_python_float(torch.tensor(2.5)) == 2.5
+    assert fp16_utils.to_python_float([3.0]) == 3.0
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["lists", "flat"])
+def test_manual_master_params(flat: bool, half_dtype: torch.dtype) -> None:
+    model = nn.Linear(4, 3).to(half_dtype)
+    model_params, masters = fp16_utils.prep_param_lists(model, flat_master=flat)
+    assert model_params == list(model.parameters())
+    assert all(m.dtype == torch.float32 and m.requires_grad for m in masters)
+    assert len(masters) == (1 if flat else 2)
+    model(torch.randn(2, 4, dtype=half_dtype)).float().sum().backward()
+    fp16_utils.model_grads_to_master_grads(model_params, masters, flat_master=flat)
+    grads = torch.cat([p.grad.float().flatten() for p in model_params])
+    got = torch.cat([m.grad.flatten() for m in masters])  # type: ignore[union-attr]
+    assert torch.equal(got, grads)
+    with torch.no_grad():
+        for m in masters:
+            m.add_(1.0)
+    fp16_utils.master_params_to_model_params(model_params, masters, flat_master=flat)
+    values = torch.cat([p.detach().flatten() for p in model_params])
+    assert torch.equal(values, torch.cat([m.detach().flatten() for m in masters]).to(half_dtype))
+
+
+def _fp16_reference(model: nn.Module, batches: list, lr: float, scale: float
+                    ) -> list[torch.Tensor]:
+    """FP16_Optimizer's documented steps by hand: loss.float()*scale, backward, copy the half
+    grads into float32 masters, divide by the scale, SGD on the masters, copy back."""
+    masters = [p.detach().float().clone() for p in model.parameters()]
+    for x in batches:
+        model.zero_grad()
+        (model(x).float().pow(2).mean() * scale).backward()
+        with torch.no_grad():
+            for m, p in zip(masters, model.parameters()):
+                m -= lr * (p.grad.float() / scale)
+                p.copy_(m)
+    return masters
+
+
+def test_fp16_optimizer_static_scale_matches_reference(half_dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    base = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref_model = _copy_model(base).to(half_dtype)
+    model = _copy_model(base).to(half_dtype)
+    batches = [torch.randn(8, 4, dtype=half_dtype) for _ in range(4)]
+    expected = _fp16_reference(ref_model, batches, 0.1, 128.0)
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), static_loss_scale=128.0,
+                         verbose=False)
+    for x in batches:
+        opt.zero_grad()
+        opt.backward(model(x).float().pow(2).mean())
+        opt.step()
+    masters = [p for g in opt.fp32_from_fp16_groups for p in g]
+    for got, want in zip(masters, expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for p, m in zip(model.parameters(), masters):
+        assert p.dtype == half_dtype and torch.equal(p.detach(), m.detach().to(half_dtype))
+
+
+def _copy_model(model: nn.Module) -> nn.Module:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def test_fp16_optimizer_dynamic_scale_skips_and_grows() -> None:
+    model = nn.Linear(4, 2).half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
+                         dynamic_loss_args={"init_scale": 2.0**4, "scale_window": 2},
+                         verbose=False)
+    x = torch.randn(3, 4).half()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    opt.backward(model(x).float().sum() * float("inf"))
+    assert opt.overflow and opt.clip_master_grads(1.0) == -1
+    assert opt.inspect_master_grad_data() is None
+    assert opt.step() is None  # skipped
+    assert opt.loss_scale == 8.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    scales = []
+    for _ in range(4):
+        opt.zero_grad()
+        opt.backward(model(x).float().pow(2).mean())
+        assert not opt.overflow
+        norm = opt.clip_master_grads(1e-3)
+        assert float(norm) > 0
+        masters = [p for g in opt.param_groups for p in g["params"]]
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m.grad)
+                                                      for m in masters]))
+        assert float(total) <= 1e-3 * (1 + 1e-5)
+        grads = opt.inspect_master_grad_data()
+        assert grads is not None and all(g[0] is not None for g in grads)
+        opt.step()
+        scales.append(opt.loss_scale)
+    # apex's rule: after the overflow at iteration 0, grow when (iter - 0) % window == 0.
+    assert scales == [8.0, 16.0, 16.0, 32.0]
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(TypeError, match="closure"):
+        opt.step(lambda: None)
+
+
+def test_fp16_optimizer_state_dict_round_trip(half_dtype: torch.dtype) -> None:
+    def make(model: nn.Module) -> FP16_Optimizer:
+        inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+        return FP16_Optimizer(inner, dynamic_loss_scale=True, verbose=False,
+                              dynamic_loss_args={"init_scale": 2.0**8})
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).to(half_dtype)
+    opt = make(model)
+    x = torch.randn(5, 4, dtype=half_dtype)
+
+    def train(m: nn.Module, o: FP16_Optimizer) -> None:
+        o.zero_grad(set_grads_to_None=True)
+        o.backward(m(x).float().pow(2).mean())
+        o.step()
+
+    for _ in range(3):
+        train(model, opt)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)  # plain data only
+    clone = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).to(half_dtype)
+    clone.load_state_dict(saved["model"])
+    clone_opt = make(clone)
+    clone_opt.load_state_dict(saved["opt"])
+    assert clone_opt.loss_scale == opt.loss_scale
+    for _ in range(2):
+        train(model, opt)
+        train(clone, clone_opt)
+    for a, b in zip(model.parameters(), clone.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="state_dict"):
+        pickle.dumps(opt)
+
+
+def test_fp16_optimizer_loads_apex_scaler_objects_and_refuses_bad_input() -> None:
+    model = nn.Linear(4, 2).half()
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
+                         verbose=False)
+    state = opt.state_dict()
+    apex_scaler = fp16_utils.DynamicLossScaler(init_scale=512.0, scale_window=7)
+    apex_scaler.cur_iter, apex_scaler.last_overflow_iter = 40, 33
+    opt.load_state_dict({**state, "loss_scaler": apex_scaler})  # apex pickled the object
+    assert opt.loss_scale == 512.0 and opt.loss_scaler.cur_iter == 40  # type: ignore[attr-defined]
+    assert opt.loss_scaler is not apex_scaler
+    before = opt.state_dict()
+    bad_masters = {**state, "fp32_from_fp16": [[torch.zeros(3)]]}
+    with pytest.raises(ValueError, match="fp32_from_fp16"):
+        opt.load_state_dict(bad_masters)
+    with pytest.raises(ValueError, match="missing key"):
+        opt.load_state_dict({"overflow": False})
+    with pytest.raises(ValueError, match="cur_scale"):
+        opt.load_state_dict({**state, "loss_scaler": {"scale": 2.0}})
+    assert opt.state_dict()["loss_scaler"] == before["loss_scaler"]  # nothing changed
+    with pytest.raises(TypeError, match="float32 or half"):
+        FP16_Optimizer(torch.optim.SGD([torch.zeros(2, dtype=torch.float64,
+                                                    requires_grad=True)], lr=0.1))
+
+
+def test_fp16_optimizer_static_closure_and_verbose_logging(caplog: pytest.LogCaptureFixture
+                                                           ) -> None:
+    model = nn.Linear(4, 2).half()
+    with caplog.at_level("INFO", logger="ampx"):
+        opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                             static_loss_scale=4.0)
+    assert "FP16_Optimizer processing param group 0:" in caplog.text
+    x = torch.randn(3, 4).half()
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        opt.backward(loss)
+        return loss
+
+    before = model.weight.detach().clone()
+    loss = opt.step(closure)
+    assert loss is not None and not torch.equal(before, model.weight)
