@@ -776,3 +776,216 @@ def test_fp16_optimizer_static_closure_and_verbose_logging(caplog: pytest.LogCap
     before = model.weight.detach().clone()
     loss = opt.step(closure)
     assert loss is not None and not torch.equal(before, model.weight)
+
+
+# -- apex.parallel: LARC ------------------------------------------------------------------------
+
+def ref_larc_sgd(p: torch.Tensor, g: torch.Tensor, lr: float, weight_decay: float,
+                 trust: float, clip: bool, eps: float) -> torch.Tensor:
+    """apex/parallel/LARC.py's step on SGD (momentum 0): the gradient is rescaled, then SGD."""
+    pn, gn = float(p.norm()), float(g.norm())
+    if pn != 0 and gn != 0:
+        rate = trust * pn / (gn + pn * weight_decay + eps)
+        if clip:
+            rate = min(rate / lr, 1.0)
+        g = (g + weight_decay * p) * rate
+    return p - lr * g
+
+
+@pytest.mark.parametrize("clip", [True, False], ids=["clip", "scale"])
+def test_larc_matches_apex_rule(clip: bool) -> None:
+    params = _params(torch.float32)
+    with torch.no_grad():
+        params[1].zero_()  # a zero-norm parameter: left alone (no decay either), as in apex
+    inner = torch.optim.SGD(params, lr=0.5, weight_decay=0.01)
+    opt = larc.LARC(inner, trust_coefficient=0.02, clip=clip)
+    expected = [p.detach().clone() for p in params]
+    for _ in range(4):
+        grads = _grads(params)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        expected = [ref_larc_sgd(e, g, 0.5, 0.01, 0.02, clip, 1e-8)
+                    for e, g in zip(expected, grads)]
+        for p, e in zip(params, expected):
+            torch.testing.assert_close(p.detach(), e, rtol=2e-6, atol=2e-7)
+    assert inner.param_groups[0]["weight_decay"] == 0.01  # restored after each step
+    assert opt.param_groups is inner.param_groups and opt.state is inner.state
+    assert opt.state_dict() == inner.state_dict()
+
+
+def test_larc_restores_weight_decay_when_the_step_raises() -> None:
+    class Broken(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            raise KeyboardInterrupt
+
+    p = torch.ones(3, requires_grad=True)
+    p.grad = torch.ones(3)
+    opt = larc.LARC(Broken([p], lr=0.1, weight_decay=0.5))
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert opt.param_groups[0]["weight_decay"] == 0.5
+
+
+def test_larc_with_ampx_initialize_and_a_scheduler() -> None:
+    model = nn.Linear(4, 2)
+    opt = larc.LARC(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    model, opt = ampx.initialize(model, opt, opt_level="O1", dtype="bf16", verbosity=0)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    before = model.weight.detach().clone()
+    for _ in range(2):
+        opt.zero_grad()
+        with ampx.scale_loss(model(torch.randn(8, 4)).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        scheduler.step()
+    assert not torch.equal(before, model.weight)
+    assert opt.optim.param_groups[0]["lr"] == pytest.approx(0.025)
+    ampx.restore()
+
+
+# -- apex.parallel: DistributedDataParallel, SyncBatchNorm (single-process gloo group) ------------
+
+@pytest.fixture
+def gloo(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _grads_of(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad()
+    model(x).float().pow(2).mean().backward()
+    return [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+def test_ddp_needs_a_process_group() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        parallel.DistributedDataParallel(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(("kwargs", "factor"), [
+    ({}, 1.0),
+    ({"delay_allreduce": True, "shared_param": True, "allreduce_trigger_params": [],
+      "retain_allreduce_buffers": True, "num_allreduce_streams": 2, "prof": True}, 1.0),
+    ({"gradient_predivide_factor": 4.0}, 1.0),
+    ({"gradient_average": False, "gradient_predivide_factor": 2.0}, 0.5),
+    ({"gradient_average": False, "gradient_average_split_factor": 4.0}, 0.25),
+    ({"allreduce_always_fp32": True}, 1.0),
+], ids=["default", "no-op-options", "predivide", "no-average", "split-factor", "fp32"])
+def test_ddp_reduces_like_apex(gloo: None, kwargs: dict, factor: float,
+                               half_dtype: torch.dtype) -> None:
+    plain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(half_dtype)
+    ddp = parallel.DistributedDataParallel(_copy_model(plain), **kwargs)
+    assert isinstance(ddp, nn.parallel.DistributedDataParallel)
+    x = torch.randn(6, 4, dtype=half_dtype)
+    for _ in range(2):  # the first backward builds torch's buckets
+        got = _grads_of(ddp, x)
+    for g, ref in zip(got, _grads_of(plain, x)):
+        torch.testing.assert_close(g, ref * factor, rtol=0, atol=0)
+    assert ddp.bucket_bytes_cap == 10000000 * 4 and ddp.message_size == 10000000
+
+
+def test_sync_batch_norm_single_process_equals_batch_norm(gloo: None) -> None:
+    reference = nn.BatchNorm2d(3)
+    sync = parallel.SyncBatchNorm(3)
+    sync.load_state_dict(reference.state_dict())
+    for _ in range(2):
+        x = torch.randn(4, 3, 5, 5)
+        torch.testing.assert_close(sync(x), reference(x))
+    torch.testing.assert_close(sync.running_mean, reference.running_mean)
+    torch.testing.assert_close(sync.running_var, reference.running_var)
+    sync.eval()
+    reference.eval()
+    torch.testing.assert_close(sync(x), reference(x))
+
+
+def test_sync_batch_norm_channel_last_fuse_relu_and_half_input() -> None:
+    sync = parallel.SyncBatchNorm(3, channel_last=True, fuse_relu=True)
+    reference = nn.BatchNorm2d(3)
+    x = torch.randn(2, 5, 5, 3)
+    z = torch.randn(2, 5, 5, 3)
+    expected = F.relu(reference(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1) + z)
+    torch.testing.assert_close(sync(x, z), expected)
+    bn = parallel.SyncBatchNorm(3)
+    assert bn(torch.randn(4, 3, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_convert_syncbn_model() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4),
+                          nn.Sequential(nn.BatchNorm1d(4, momentum=0.3, eps=1e-3)))
+    with torch.no_grad():
+        model[1].weight.fill_(2.0)
+    model[1](torch.randn(2, 4, 3, 3))  # running statistics to carry over
+    model.eval()
+    bn, inner = model[1], model[2][0]
+    converted = parallel.convert_syncbn_model(model, channel_last=False)
+    assert converted is model  # converted in place, as in apex
+    new_bn, new_inner = converted[1], converted[2][0]
+    assert type(new_bn) is parallel.SyncBatchNorm and type(new_inner) is parallel.SyncBatchNorm
+    assert new_bn.running_mean is bn.running_mean and new_bn.running_var is bn.running_var
+    assert torch.equal(new_bn.weight, bn.weight) and new_bn.weight is not bn.weight
+    assert (new_inner.momentum, new_inner.eps) == (0.3, 1e-3)
+    assert not new_bn.training and isinstance(converted[0], nn.Conv2d)
+    single = parallel.convert_syncbn_model(nn.BatchNorm1d(2))
+    assert isinstance(single, parallel.SyncBatchNorm)
+
+
+TWO_RANKS = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from torch import nn
+    from ampx.compat.apex import parallel
+
+    def worker(rank, store):
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+        torch.manual_seed(0)
+        full = torch.randn(8, 3, 4)                    # both ranks' batches
+        x = full[rank * 4:(rank + 1) * 4].clone().requires_grad_()
+        # SyncBatchNorm: statistics and input gradients over the whole batch
+        sync, ref = parallel.SyncBatchNorm(3), nn.BatchNorm1d(3)
+        xr = full.clone().requires_grad_()
+        weights = torch.linspace(0.5, 2.0, 8 * 3 * 4).view(8, 3, 4)
+        (sync(x) * weights[rank * 4:(rank + 1) * 4]).sum().backward()
+        (ref(xr) * weights).sum().backward()
+        torch.testing.assert_close(sync.running_var, ref.running_var)
+        torch.testing.assert_close(sync.running_mean, ref.running_mean)
+        torch.testing.assert_close(x.grad, xr.grad[rank * 4:(rank + 1) * 4], rtol=1e-4,
+                                   atol=1e-5)
+        summed = sync.weight.grad.clone()        # each rank holds its share (DDP sums)
+        dist.all_reduce(summed)
+        torch.testing.assert_close(summed, ref.weight.grad, rtol=1e-4, atol=1e-5)
+        # DDP: the gradients are the average of the ranks' (apex's gradient_average)
+        torch.manual_seed(1)
+        model = nn.Linear(4, 2)
+        ddp = parallel.DistributedDataParallel(model, delay_allreduce=True,
+                                               allreduce_always_fp32=True)
+        data = torch.randn(8, 4)
+        ddp(data[rank * 4:(rank + 1) * 4]).pow(2).sum().backward()
+        ref_model = nn.Linear(4, 2)
+        ref_model.load_state_dict(model.state_dict())
+        ref_model(data).pow(2).sum().backward()
+        torch.testing.assert_close(model.weight.grad, ref_model.weight.grad / 2)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.spawn(worker, args=(sys.argv[1],), nprocs=2)
+        print("two ranks ok")
+""")
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_sync_batch_norm_and_ddp(tmp_path: Path) -> None:
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "two ranks ok" in proc.stdout

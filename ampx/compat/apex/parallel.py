@@ -22,6 +22,7 @@ ampx implementations of apex's data-parallel names, mapped onto torch's:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -75,6 +76,20 @@ def _apex_allreduce_hook(state: _HookState, bucket: dist.GradBucket
     return future.then(finish)
 
 
+# torch's register_comm_hook checks the annotations as objects (this module's are strings).
+_apex_allreduce_hook.__annotations__ = {
+    "state": _HookState, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def _buffer_sync_off() -> dict[str, bool]:
+    """Buffers broadcast at construction only, as apex did (torch renamed the option)."""
+    params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    if "forward_sync_buffers" in params:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     """apex's DistributedDataParallel on torch's (see the module docstring for the mapping).
 
@@ -115,8 +130,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if gradient_predivide_factor <= 0:
             raise ValueError("Invalid gradient_predivide_factor value: "
                              f"{gradient_predivide_factor} (expected > 0)")
-        super().__init__(module, broadcast_buffers=False,
-                         bucket_cap_mb=message_size * 4 / 2**20)
+        super().__init__(module, bucket_cap_mb=message_size * 4 / 2**20, **_buffer_sync_off())
         self.message_size = message_size
         self.delay_allreduce = delay_allreduce
         self.allreduce_always_fp32 = allreduce_always_fp32
