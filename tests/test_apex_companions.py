@@ -29,7 +29,7 @@ from torch import nn
 from torch.optim.optimizer import required
 
 import ampx
-from ampx.compat.apex import fp16_utils, larc, normalization, optimizers, parallel
+from ampx.compat.apex import fp16_utils, larc, normalization, parallel
 from ampx.compat.apex.fp16_utils import FP16_Optimizer
 from ampx.compat.apex.optimizers import FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
@@ -335,7 +335,7 @@ def test_set_grad_none_and_state_dict_round_trip(cls: Any, kwargs: dict) -> None
         p.grad = torch.ones_like(p)
     opt.step()
     opt.zero_grad()
-    expect_none = getattr(opt, "set_grad_none")
+    expect_none = opt.set_grad_none
     assert all((p.grad is None) == expect_none for p in params)
     opt.zero_grad(set_to_none=True)
     assert all(p.grad is None for p in params)
@@ -921,7 +921,7 @@ def test_convert_syncbn_model() -> None:
         model[1].weight.fill_(2.0)
     model[1](torch.randn(2, 4, 3, 3))  # running statistics to carry over
     model.eval()
-    bn, inner = model[1], model[2][0]
+    bn = model[1]
     converted = parallel.convert_syncbn_model(model, channel_last=False)
     assert converted is model  # converted in place, as in apex
     new_bn, new_inner = converted[1], converted[2][0]
@@ -989,3 +989,88 @@ def test_two_gloo_ranks_sync_batch_norm_and_ddp(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "two ranks ok" in proc.stdout
+
+
+# -- a legacy script under `ampx run` -----------------------------------------------------------
+
+LEGACY_SCRIPT = textwrap.dedent("""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+
+    try:
+        import apex
+        from apex import amp
+        from apex.fp16_utils import FP16_Optimizer, network_to_half, to_python_float
+        from apex.normalization import FusedLayerNorm
+        from apex.optimizers import FusedAdam, FusedLAMB
+        from apex.parallel import DistributedDataParallel as DDP, convert_syncbn_model
+        from apex.parallel.LARC import LARC
+        has_apex = True
+    except ImportError:
+        has_apex = False
+    print(f"has_apex={has_apex}")
+
+    mode, store = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    losses = []
+    if mode == "fp16_utils":          # the pre-amp recipe: half model + FP16_Optimizer
+        model = network_to_half(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(),
+                                              nn.Linear(16, 4)))
+        optimizer = FP16_Optimizer(LARC(torch.optim.SGD(model.parameters(), lr=0.5)),
+                                   dynamic_loss_scale=True, verbose=False,
+                                   dynamic_loss_args={"init_scale": 2.0**8})
+        for step in range(8):
+            loss = F.cross_entropy(model(x).float(), y)
+            optimizer.zero_grad()
+            optimizer.backward(loss)
+            optimizer.clip_master_grads(5.0)
+            optimizer.step()
+            losses.append(to_python_float(loss))
+        logits = model(x)
+    else:                             # amp + FusedAdam + FusedLayerNorm (+ apex DDP)
+        model = nn.Sequential(nn.Linear(8, 16), FusedLayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+        optimizer = FusedAdam(model.parameters(), lr=1e-2)
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+        if mode == "ddp":             # world_size 1, as `torchrun --nproc_per_node 1` gives
+            dist.init_process_group("gloo", init_method="file://" + store, rank=0,
+                                    world_size=1)
+            model = DDP(convert_syncbn_model(model), delay_allreduce=True)
+        for step in range(8):
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+            optimizer.zero_grad()
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+            optimizer.step()
+            losses.append(to_python_float(loss))
+        print("ddp", type(model).__module__, dist.is_initialized())
+    preds = logits.detach().cpu().numpy()   # bf16 under O1: .cpu() gives float32, as in apex
+    print("preds", preds.dtype, preds.shape)
+    print("losses", " ".join(f"{v:.4f}" for v in losses))
+    print("learned", losses[-1] < losses[0])
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["amp", "ddp", "fp16_utils"])
+def test_legacy_script_runs_with_every_companion(tmp_path: Path, mode: str) -> None:
+    script = tmp_path / "legacy_train.py"
+    script.write_text(LEGACY_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ampx", "run", "-q", "-O", "O1", "--dtype", "bf16", str(script),
+         mode, str(tmp_path / "store")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "has_apex=True" in out
+    # O1 with bf16: .cpu() gives float32; the fp16_utils recipe has no O1 (a half model).
+    assert f"preds {'float16' if mode == 'fp16_utils' else 'float32'} (32, 4)" in out
+    assert "learned True" in out
+    if mode == "ddp":
+        assert "ddp ampx.compat.apex.parallel True" in out

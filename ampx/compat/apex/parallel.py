@@ -82,7 +82,7 @@ _apex_allreduce_hook.__annotations__ = {
 }
 
 
-def _buffer_sync_off() -> dict[str, bool]:
+def _buffer_sync_off() -> dict[str, Any]:
     """Buffers broadcast at construction only, as apex did (torch renamed the option)."""
     params = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
     if "forward_sync_buffers" in params:
