@@ -233,6 +233,9 @@ def _run_per_tensor(make: Callable, ref: Callable, kwargs: dict, dtype: torch.dt
                               **kwargs).to(dtype).float()
         for p, e in zip(params, expected):
             _close(p.detach(), e.to(dtype))
+    tensors = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    assert all(v.dtype == torch.float32 for v in tensors)  # state in float32
+    assert tensors or kwargs.get("momentum", 0) == 0  # (FusedSGD keeps none without momentum)
 
 
 ADAM_CASES = [
@@ -414,6 +417,47 @@ def test_fused_adam_master_weights_keep_fp32_copies() -> None:
     assert torch.equal(p.detach(), expected.bfloat16())  # one rounding, from the master
 
 
+def test_no_op_options_and_per_parameter_details() -> None:
+    def trained(make: Callable, grads: list) -> list[torch.Tensor]:
+        params = [torch.ones(3, requires_grad=True), torch.ones(2, requires_grad=True)]
+        opt = make(params)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = None if g is None else g.clone()
+            opt.step()
+        return [p.detach() for p in params]
+
+    grads = [[torch.randn(3), None], [torch.randn(3), torch.randn(2)], [torch.randn(3),
+                                                                         torch.randn(2)]]
+    pairs = [
+        (lambda p: FusedAdam(p, lr=0.1), lambda p: FusedAdam(p, lr=0.1, capturable=True)),
+        (lambda p: FusedSGD(p, lr=0.1, momentum=0.9),
+         lambda p: FusedSGD(p, lr=0.1, momentum=0.9, materialize_master_grads=False)),
+        (lambda p: FusedLAMB(p, max_grad_norm=1e9), lambda p: FusedLAMB(p, max_grad_norm=0)),
+        (lambda p: FusedLAMB(p, max_grad_norm=1e9), lambda p: FusedLAMB(p, max_grad_norm=None)),
+    ]
+    for a, b in pairs:
+        assert all(torch.equal(x, y) for x, y in zip(trained(a, grads), trained(b, grads)))
+    # FusedSGD: the second parameter's first step (step 2) starts its momentum at its gradient.
+    sgd = trained(lambda p: FusedSGD(p, lr=0.1, momentum=0.9), grads)
+    buf = grads[1][1]
+    expected = torch.ones(2) - 0.1 * buf
+    expected = expected - 0.1 * (0.9 * buf + grads[2][1])
+    torch.testing.assert_close(sgd[1], expected)
+    # FusedLAMB leaves .grad alone; NovoGrad keeps a 0-d norm per parameter.
+    w = torch.ones(3, requires_grad=True)
+    w.grad = torch.full((3,), 0.5)
+    FusedLAMB([w]).step()
+    assert torch.equal(w.grad, torch.full((3,), 0.5))
+    novo = FusedNovoGrad([w])
+    novo.step()
+    assert novo.state[w]["exp_avg_sq"].shape == () and float(novo.state[w]["exp_avg_sq"]) > 0
+    x = torch.randn(2, 8)
+    ln, ln_eff = normalization.FusedLayerNorm(8), normalization.FusedLayerNorm(
+        8, memory_efficient=True)
+    assert torch.equal(ln(x), ln_eff(x))
+
+
 def test_closure_runs_with_grad_enabled() -> None:
     w = torch.ones(3, requires_grad=True)
     opt = FusedLAMB([w])
@@ -503,6 +547,7 @@ def test_fused_layer_norm(shape: Any, dtype: torch.dtype) -> None:
     layer = normalization.FusedLayerNorm(shape, eps=1e-5)
     assert [n for n, _ in layer.named_parameters()] == ["weight", "bias"]
     layer.load_state_dict(nn.LayerNorm(shape).state_dict())  # checkpoints load both ways
+    nn.LayerNorm(shape).load_state_dict(layer.state_dict())
     with torch.no_grad():
         layer.weight.normal_()
         layer.bias.normal_()
@@ -608,6 +653,11 @@ def test_manual_master_params(flat: bool, half_dtype: torch.dtype) -> None:
     assert model_params == list(model.parameters())
     assert all(m.dtype == torch.float32 and m.requires_grad for m in masters)
     assert len(masters) == (1 if flat else 2)
+    if flat:
+        assert torch.equal(masters[0].grad, torch.zeros_like(masters[0]))
+        mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to(half_dtype))
+        with pytest.raises(TypeError, match="flat_master=False"):
+            fp16_utils.prep_param_lists(mixed, flat_master=True)
     model(torch.randn(2, 4, dtype=half_dtype)).float().sum().backward()
     fp16_utils.model_grads_to_master_grads(model_params, masters, flat_master=flat)
     grads = torch.cat([p.grad.float().flatten() for p in model_params])
@@ -661,6 +711,19 @@ def _copy_model(model: nn.Module) -> nn.Module:
     torch.save(model, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=False)
+
+
+def test_fp16_optimizer_moves_existing_state_to_the_masters() -> None:
+    model = nn.Linear(3, 2).half()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    inner.step()  # momentum buffers exist, keyed by the half parameters
+    opt = FP16_Optimizer(inner, verbose=False)
+    masters = [p for g in opt.fp32_from_fp16_groups for p in g]
+    assert set(inner.state) == set(masters)
+    assert all(inner.state[m]["momentum_buffer"].dtype == torch.float32 for m in masters)
+    assert all(p not in inner.state for p in model.parameters())
 
 
 def test_fp16_optimizer_dynamic_scale_skips_and_grows() -> None:
@@ -930,6 +993,10 @@ def test_convert_syncbn_model() -> None:
     assert torch.equal(new_bn.weight, bn.weight) and new_bn.weight is not bn.weight
     assert (new_inner.momentum, new_inner.eps) == (0.3, 1e-3)
     assert not new_bn.training and isinstance(converted[0], nn.Conv2d)
+    assert new_bn.num_batches_tracked is bn.num_batches_tracked
+    frozen = nn.BatchNorm1d(2)
+    frozen.weight.requires_grad_(False)
+    assert not parallel.convert_syncbn_model(frozen).weight.requires_grad
     single = parallel.convert_syncbn_model(nn.BatchNorm1d(2))
     assert isinstance(single, parallel.SyncBatchNorm)
 
@@ -972,6 +1039,15 @@ TWO_RANKS = textwrap.dedent("""
         ref_model.load_state_dict(model.state_dict())
         ref_model(data).pow(2).sum().backward()
         torch.testing.assert_close(model.weight.grad, ref_model.weight.grad / 2)
+        # buffers: broadcast from rank 0 at construction, then never again (as apex)
+        bn = nn.BatchNorm1d(4)
+        bn.running_mean.fill_(float(rank))
+        ddp_bn = parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), bn))
+        assert float(bn.running_mean[0]) == 0.0
+        ddp_bn(torch.randn(4, 4) + rank)
+        means = [torch.zeros(4), torch.zeros(4)]
+        dist.all_gather(means, bn.running_mean.clone())
+        assert not torch.equal(means[0], means[1])
         dist.destroy_process_group()
 
     if __name__ == "__main__":
