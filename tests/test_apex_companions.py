@@ -9,6 +9,7 @@ every companion under `ampx run`.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import io
 import math
@@ -456,6 +457,32 @@ def test_no_op_options_and_per_parameter_details() -> None:
     ln, ln_eff = normalization.FusedLayerNorm(8), normalization.FusedLayerNorm(
         8, memory_efficient=True)
     assert torch.equal(ln(x), ln_eff(x))
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: FusedAdam(p, lr=0.1, adam_w_mode=False, weight_decay=0.1, set_grad_none=False),
+    lambda p: FusedSGD(p, lr=0.1, momentum=0.9, weight_decay=0.1, wd_after_momentum=True),
+    lambda p: FusedLAMB(p, adam_w_mode=False, use_nvlamb=True),
+    lambda p: FusedNovoGrad(p, reg_inside_moment=True, weight_decay=0.1),
+    lambda p: larc.LARC(torch.optim.SGD(p, lr=0.1, weight_decay=0.1), clip=False),
+], ids=["adam", "sgd", "lamb", "novograd", "larc"])
+def test_optimizers_deepcopy_and_pickle_with_their_options(make: Callable) -> None:
+    model = nn.Linear(3, 2)
+    opt = make(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    copied_model = copy.deepcopy(model)
+    twin = copy.deepcopy({"model": model, "opt": opt})  # the optimizer follows its params
+    assert vars(pickle.loads(pickle.dumps(opt))).keys() >= {
+        k for k in vars(opt) if not k.startswith("_")}
+    twin_model, twin_opt = twin["model"], twin["opt"]
+    for m, o in ((model, opt), (twin_model, twin_opt)):
+        o.zero_grad(set_to_none=True)
+        m(torch.ones(4, 3)).sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(),
+                                                     copied_model.parameters()))
 
 
 def test_closure_runs_with_grad_enabled() -> None:

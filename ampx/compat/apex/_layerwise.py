@@ -44,6 +44,7 @@ class FusedLAMB(_FusedBase):
     """
 
     _kind = "FusedLAMB"
+    _options = ("adam_w_mode", "set_grad_none", "use_nvlamb")
 
     def __init__(self, params: Params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
@@ -144,6 +145,7 @@ class FusedNovoGrad(_FusedBase):
     """
 
     _kind = "FusedNovoGrad"
+    _options = ("moment_mode", "set_grad_none")
 
     def __init__(self, params: Params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,

@@ -43,6 +43,12 @@ class _FusedBase(torch.optim.Optimizer):
 
     set_grad_none: bool
     _kind = "Fused"
+    _options: tuple[str, ...] = ("set_grad_none",)  # attributes beyond torch's pickled state
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update({name: getattr(self, name) for name in self._options})
+        return state
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clear gradients: to None when `set_to_none` (default: the `set_grad_none` option)."""

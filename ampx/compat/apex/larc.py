@@ -58,6 +58,16 @@ class LARC(torch.optim.Optimizer):
     # `apex.parallel.LARC` (the module, then `.LARC`) and `from apex.parallel.LARC import LARC`.
     LARC: type[LARC]
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {"optim": self.optim, "trust_coefficient": self.trust_coefficient,
+                "clip": self.clip, "eps": self.eps}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        optim = state["optim"]
+        super().__setstate__({"defaults": optim.defaults, "state": optim.state,
+                              "param_groups": optim.param_groups})
+        self.__dict__.update(state)
+
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict (as apex)."""
         return self.optim.state_dict()

@@ -71,6 +71,7 @@ class FusedAdam(_FusedBase):
     """
 
     _kind = "FusedAdam"
+    _options = ("adam_w_mode", "set_grad_none", "capturable", "master_weights")
 
     def __init__(self, params: Params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -153,6 +154,7 @@ class FusedSGD(_FusedBase):
     """
 
     _kind = "FusedSGD"
+    _options = ("wd_after_momentum", "materialize_master_grads", "set_grad_none")
 
     def __init__(self, params: Params, lr: Any = required, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
