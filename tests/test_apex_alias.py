@@ -106,6 +106,15 @@ def test_companions_resolve_to_ampx_implementations(alias: None) -> None:
     # The ampx modules keep their own names and attributes.
     assert parallel.__name__ == "ampx.compat.apex.parallel" and parallel.LARC is LARC
     assert sys.modules["apex.parallel"].__name__ == "apex.parallel"
+    apex_alias.uninstall()
+    _drop_apex_modules()
+    apex_alias.install()
+    import apex as bare  # apex's __init__ imported its companions: attribute access works
+
+    assert bare.optimizers.FusedAdam is FusedAdam and bare.fp16_utils.FP16_Optimizer is \
+        FP16_Optimizer
+    with pytest.raises(AttributeError):
+        bare.contrib  # noqa: B018
 
 
 def test_uninstall_removes_companions(alias: None) -> None:

@@ -99,6 +99,7 @@ class _ApexAliasLoader(importlib.abc.Loader):
         module.__doc__ = "apex alias provided by ampx (`ampx run`): `apex.amp` is `ampx.amp`."
         module.__dict__["__ampx_alias__"] = True
         module.__dict__["amp"] = amp
+        module.__dict__["__getattr__"] = _package_getattr
         state_module = types.ModuleType(
             "apex.amp._amp_state", "apex.amp._amp_state, provided by ampx's apex alias."
         )
@@ -128,6 +129,13 @@ class _CompanionLoader(importlib.abc.Loader):
             _register(alias, sub)
             package.__dict__.setdefault(alias.rsplit(".", 1)[1], sub)
         _register(name, package)
+
+
+def _package_getattr(name: str) -> types.ModuleType:
+    """`apex.<companion>` after a bare ``import apex`` (apex's __init__ imported them all)."""
+    if f"apex.{name}" in _COMPANIONS:
+        return importlib.import_module(f"apex.{name}")
+    raise AttributeError(f"module 'apex' has no attribute {name!r}")
 
 
 def _alias_module(alias: str, target: types.ModuleType) -> types.ModuleType:
