@@ -117,6 +117,23 @@ def test_companions_resolve_to_ampx_implementations(alias: None) -> None:
         bare.contrib  # noqa: B018
 
 
+def test_apex_imagenet_example_import_block(alias: None) -> None:
+    """examples/imagenet/main_amp.py's try block, verbatim (it raises ImportError otherwise)."""
+    namespace: dict = {}
+    exec(textwrap.dedent("""
+        from apex.parallel import DistributedDataParallel as DDP
+        from apex.fp16_utils import *
+        from apex import amp, optimizers
+        from apex.multi_tensor_apply import multi_tensor_applier
+    """), namespace)
+    assert namespace["amp"] is ampx.amp and namespace["to_python_float"](torch.tensor(1.5)) == 1.5
+    assert namespace["optimizers"].FusedAdam.__module__ == "ampx.compat.apex.optimizers"
+    applier = namespace["multi_tensor_applier"]
+    assert applier.available is False  # as in an apex built without its CUDA extension
+    with pytest.raises(RuntimeError, match="torch._foreach_"):
+        applier(None, torch.zeros(1, dtype=torch.int), [[torch.zeros(2)]])
+
+
 def test_uninstall_removes_companions(alias: None) -> None:
     import apex.optimizers.fused_adam  # noqa: F401
     import apex.parallel  # noqa: F401

@@ -10,7 +10,8 @@ modules it created.
 
 The companion packages legacy scripts import in the same ``try:`` block resolve to ampx's own
 implementations (`ampx.compat.apex`): ``apex.parallel``, ``apex.optimizers``,
-``apex.normalization`` and ``apex.fp16_utils``, plus the submodule paths scripts use
+``apex.normalization`` and ``apex.fp16_utils`` (and ``apex.multi_tensor_apply``, as apex had it
+without its CUDA extension), plus the submodule paths scripts use
 (``apex.parallel.LARC``, ``apex.normalization.fused_layer_norm``, ``apex.optimizers.fused_adam``,
 ``apex.fp16_utils.fp16_optimizer``, ...). They are imported on first use, so `install()` itself
 imports nothing but the standard library (it is cheap enough for a ``sitecustomize``), and it is
@@ -49,6 +50,7 @@ _COMPANIONS = {
     "apex.optimizers": "ampx.compat.apex.optimizers",
     "apex.normalization": "ampx.compat.apex.normalization",
     "apex.fp16_utils": "ampx.compat.apex.fp16_utils",
+    "apex.multi_tensor_apply": "ampx.compat.apex.multi_tensor_apply",
 }
 _SUBMODULES = {
     "apex.parallel": {
@@ -68,6 +70,9 @@ _SUBMODULES = {
         f"apex.fp16_utils.{name}": "ampx.compat.apex.fp16_utils"
         for name in ("fp16_optimizer", "fp16util", "loss_scaler")
     },
+    "apex.multi_tensor_apply": {
+        "apex.multi_tensor_apply.multi_tensor_apply": "ampx.compat.apex.multi_tensor_apply",
+    },
 }
 
 # What to use instead of the apex packages ampx does not provide.
@@ -79,7 +84,6 @@ _REPLACEMENTS = {
     "apex.fp16_utils.fused_weight_norm": "torch.nn.utils.parametrizations.weight_norm",
     "apex.contrib": "the matching torch or torchao feature",
     "apex.transformer": "Megatron-Core or torch.distributed.tensor",
-    "apex.multi_tensor_apply": "torch._foreach_* functions",
     "apex.mlp": "torch.nn.Sequential of torch.nn.Linear layers",
     "apex.fused_dense": "torch.nn.Linear (torch.compile fuses the bias and activation)",
     "apex.RNN": "torch.nn.LSTM / torch.nn.GRU",
