@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from . import distributed, patch, telemetry
+from .compat import apex_stash
 from .model import MasterMap, ModelCast, cast_model, check_models, device_types_of
 from .opt_levels import BRIEFS, OptionError, OptLevel, Properties, resolve_properties
 from .optimizer import (
@@ -303,6 +304,7 @@ class Amp:
                 if props.cast_model_type is not None and not props.master_weights:
                     recast_state(opt)
                 attach(opt, self, masters)
+                apex_stash.attach(opt)  # apex's private names (_amp_stash, ...) as views
             device = _first_device(opt_list, model_list)
             for scaler in self.scalers:
                 scaler.to_(device)
@@ -315,6 +317,7 @@ class Amp:
             for record in casts:
                 record.undo()  # weights, buffers and hooks as handed in
             for opt in opt_list:
+                apex_stash.detach(opt)
                 state = amp_state_of(opt)
                 if state is not None:
                     state.detach()
@@ -752,6 +755,7 @@ def restore() -> None:
     """
     global _DEFAULT
     patch.deactivate()
+    apex_stash.detach_all()
     _DEFAULT = None
 
 
