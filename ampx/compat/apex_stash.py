@@ -325,7 +325,7 @@ def _master_params_to_model_params(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _prepare_amp_backward(optimizer: torch.optim.Optimizer) -> None:
-    """Move existing gradients aside so the next backward writes only its own (scale_loss's entry)."""
+    """scale_loss's entry: move existing gradients aside so the backward writes only its own."""
     _prepare(optimizer)
 
 
@@ -385,7 +385,7 @@ def attach(optimizer: torch.optim.Optimizer) -> None:
         RuntimeError: If the optimizer has no ampx state, or already has one of the names.
     """
     _state(optimizer)
-    names = {"_amp_stash": AmpStash(optimizer)}
+    names: dict[str, object] = {"_amp_stash": AmpStash(optimizer)}
     for name, func in _METHODS.items():
         if name != "_master_params_to_model_params" or _master_weights(optimizer):
             names[name] = _PrivateMethod(func, optimizer)
