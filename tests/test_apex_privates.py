@@ -196,6 +196,8 @@ def test_stash_lists_are_live_views_of_the_masters(half_dtype: torch.dtype) -> N
     # a group added after initialize shows up at once
     extra = nn.Parameter(torch.ones(3, dtype=half_dtype))
     opt.add_param_group({"params": [extra]})
+    opt._amp_lazy_init()  # gives the new half parameter its master, in the group
+    assert opt.param_groups[-1]["params"][0].dtype == torch.float32
     assert stash.all_fp16_params[-1] is extra
     assert stash.all_fp32_from_fp16_params[-1].dtype == torch.float32
 
@@ -298,8 +300,13 @@ def test_lazy_init_resets_grads_and_flags_accept_writes(half_dtype: torch.dtype)
     assert all(p.grad is None for p in amp.master_params(opt))
     stash.isfinite = True  # scripts hang their own things on the stash
     assert stash.isfinite is True
+    with amp.scale_loss(_loss(model, 1), opt) as scaled:
+        scaled.backward()
+    grads = [p.grad for p in stash.all_fp32_from_fp32_params]
     stash.params_have_scaled_gradients = True  # as scale_loss(delay_unscale=True) leaves it
-    assert opt._ampx.scaled_grads_pending
+    opt._prepare_amp_backward()  # leaves waiting scaled gradients alone
+    assert all(p.grad is g for p, g in zip(stash.all_fp32_from_fp32_params, grads))
+    assert stash.all_fp32_from_fp32_grad_stash == [None, None]
     with pytest.raises(RuntimeError, match="still scaled"):
         opt.step()
     stash.params_have_scaled_gradients = False
@@ -328,6 +335,15 @@ def test_levels_without_master_weights_have_apex_other_names(level: str,
     assert stash.all_fp16_params == (params if expect_half else [])
     assert stash.all_fp32_params == ([] if expect_half else params)
     assert stash.all_fp32_grad_stash == [None] * len(stash.all_fp32_params)
+    with amp.scale_loss(_loss(model, 0), opt) as scaled:
+        scaled.backward()
+    grads = [p.grad for p in params]
+    opt._prepare_amp_backward()
+    stashed = stash.all_fp16_grad_stash if expect_half else stash.all_fp32_grad_stash
+    assert all(s is g for s, g in zip(stashed, grads)) and len(stashed) == len(params)
+    assert all(p.grad is None for p in params)
+    opt._post_amp_backward(amp._amp_state.loss_scalers[0])  # nothing new: the stash returns
+    assert all(p.grad is g for p, g in zip(params, grads))
     assert not hasattr(opt, "_master_params_to_model_params")  # apex bound it only at O2
     for name in ("all_fp32_from_fp16_params", "all_fp32_from_fp32_params", "fp16_groups"):
         assert not hasattr(stash, name)
