@@ -15,15 +15,7 @@ computed from ampx's own per-optimizer state when it is read, so none is a secon
 truth: `all_fp32_from_fp16_params` holds the very master `Parameter` objects the optimizer steps.
 
 The first section, "adapter", is the only code that reads ampx's optimizer internals; the rest
-is written against it.
-
-Example::
-
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
-    optimizer._lazy_init_maybe_master_weights()
-    optimizer._amp_stash.lazy_init_called = True
-    for param, saved in zip(amp.master_params(optimizer), checkpoint["master params"]):
-        param.data.copy_(saved.data)
+is written against it. docs/migrating-from-apex.md lists every name and what it does.
 """
 
 from __future__ import annotations
@@ -88,7 +80,10 @@ def _non_masters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _copy_masters_to_model(optimizer: torch.optim.Optimizer) -> None:
-    """Copy every master of this optimizer into its half model parameter, now."""
+    """Copy every master of this optimizer into its half model parameter, now.
+
+    (`step()` does it after each step.)
+    """
     state = _state(optimizer)
     adopt_new_groups(optimizer, state)
     with torch.no_grad():
@@ -319,16 +314,6 @@ def _amp_lazy_init(optimizer: torch.optim.Optimizer) -> None:
     _non_masters(optimizer)
 
 
-def _master_params_to_model_params(optimizer: torch.optim.Optimizer) -> None:
-    """Copy the fp32 masters into the half model parameters now (step() does it after each step)."""
-    _copy_masters_to_model(optimizer)
-
-
-def _prepare_amp_backward(optimizer: torch.optim.Optimizer) -> None:
-    """scale_loss's entry: move existing gradients aside so the backward writes only its own."""
-    _prepare(optimizer)
-
-
 def _post_amp_backward(optimizer: torch.optim.Optimizer, scaler: Any = None) -> None:
     """scale_loss's exit for this optimizer: unscale, flag overflow, update the scale.
 
@@ -347,9 +332,10 @@ def _post_amp_backward(optimizer: torch.optim.Optimizer, scaler: Any = None) -> 
 class _PrivateMethod:
     """A private method bound to an optimizer by weak reference (no reference cycle)."""
 
-    def __init__(self, func: Callable[..., None], optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, name: str, func: Callable[..., None],
+                 optimizer: torch.optim.Optimizer) -> None:
         self.__func__ = func
-        self.__name__ = func.__name__
+        self.__name__ = name
         self.__doc__ = func.__doc__
         self._optimizer_ref = weakref.ref(optimizer)
 
@@ -365,8 +351,8 @@ class _PrivateMethod:
 
 _METHODS: dict[str, Callable[..., None]] = {
     "_lazy_init_maybe_master_weights": _lazy_init_maybe_master_weights,
-    "_master_params_to_model_params": _master_params_to_model_params,
-    "_prepare_amp_backward": _prepare_amp_backward,
+    "_master_params_to_model_params": _copy_masters_to_model,
+    "_prepare_amp_backward": _prepare,
     "_post_amp_backward": _post_amp_backward,
     "_amp_lazy_init": _amp_lazy_init,
 }
@@ -388,7 +374,7 @@ def attach(optimizer: torch.optim.Optimizer) -> None:
     names: dict[str, object] = {"_amp_stash": AmpStash(optimizer)}
     for name, func in _METHODS.items():
         if name != "_master_params_to_model_params" or _master_weights(optimizer):
-            names[name] = _PrivateMethod(func, optimizer)
+            names[name] = _PrivateMethod(name, func, optimizer)
     clash = [name for name in names if name in vars(optimizer)]
     if clash:
         raise RuntimeError(f"Incoming optimizer already has {clash[0]} defined.")
