@@ -432,3 +432,12 @@ def test_attach_is_all_or_nothing() -> None:
     assert opt._amp_lazy_init == "mine"
     apex_stash.detach(opt)  # leaves the script's own object alone
     assert opt._amp_lazy_init == "mine"
+
+
+def test_disabled_initialize_binds_nothing_as_in_apex() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, enabled=False, verbosity=0)
+    assert not any(hasattr(opt, name) for name in PRIVATE_NAMES)
+    _, opt0 = _setup("O0")  # O0 is processed like every other level
+    assert apex_stash.is_attached(opt0) and opt0._amp_stash.all_fp16_params == []
