@@ -300,20 +300,36 @@ def test_lazy_init_resets_grads_and_flags_accept_writes(half_dtype: torch.dtype)
     assert all(p.grad is None for p in amp.master_params(opt))
     stash.isfinite = True  # scripts hang their own things on the stash
     assert stash.isfinite is True
-    with amp.scale_loss(_loss(model, 1), opt) as scaled:
-        scaled.backward()
-    grads = [p.grad for p in stash.all_fp32_from_fp32_params]
-    stash.params_have_scaled_gradients = True  # as scale_loss(delay_unscale=True) leaves it
-    opt._prepare_amp_backward()  # leaves waiting scaled gradients alone
-    assert all(p.grad is g for p, g in zip(stash.all_fp32_from_fp32_params, grads))
-    assert stash.all_fp32_from_fp32_grad_stash == [None, None]
-    with pytest.raises(RuntimeError, match="still scaled"):
-        opt.step()
-    stash.params_have_scaled_gradients = False
     with pytest.raises(TypeError, match="params_have_scaled_gradients must be a bool"):
         stash.params_have_scaled_gradients = 1
     with pytest.raises(AttributeError):
         stash.already_patched = False  # type: ignore[misc]
+
+
+def test_delay_unscale_through_the_stash_flag_matches_scale_loss(half_dtype: torch.dtype
+                                                                 ) -> None:
+    ref_model, ref_opt = _setup(dtype=half_dtype)
+    model, opt = _setup(dtype=half_dtype)
+    stash = opt._amp_stash
+    scaler = amp._amp_state.loss_scalers[0]
+    for step in range(2):
+        with amp.scale_loss(_loss(ref_model, 2 * step), ref_opt, delay_unscale=True) as scaled:
+            scaled.backward()
+        with amp.scale_loss(_loss(ref_model, 2 * step + 1), ref_opt) as scaled:
+            scaled.backward()
+        opt._prepare_amp_backward()
+        (_loss(model, 2 * step).float() * scaler.loss_scale()).backward()
+        stash.params_have_scaled_gradients = True  # what apex's scale_loss did on delay_unscale
+        with pytest.raises(RuntimeError, match="still scaled"):
+            opt.step()
+        with pytest.raises(RuntimeError, match="still scaled"):
+            stash.params_have_scaled_gradients = False
+        _custom_scale_loss(opt, _loss(model, 2 * step + 1))  # skips the prepare: still scaled
+        assert stash.params_have_scaled_gradients is False
+        ref_opt.step()
+        opt.step()
+    assert _bitwise(list(amp.master_params(opt)), list(amp.master_params(ref_opt)))
+    assert _bitwise(list(model.parameters()), list(ref_model.parameters()))
 
 
 def test_post_rejects_a_scaler_of_another_session() -> None:

@@ -97,7 +97,18 @@ def _grads_scaled(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _set_grads_scaled(optimizer: torch.optim.Optimizer, value: bool) -> None:
-    _state(optimizer).scaled_grads_pending = value
+    """True: the backward just run keeps its gradients scaled (apex's delay_unscale).
+
+    False is accepted when nothing is scaled (after `_post_amp_backward`, as scripts write it).
+    """
+    state = _state(optimizer)
+    if value:
+        state.scaled_grads_pending = True
+    elif state.scaled_grads_pending:
+        raise RuntimeError(
+            "_amp_stash.params_have_scaled_gradients = False: the gradients are still scaled; "
+            "call optimizer._post_amp_backward(scaler) after the last backward to unscale them."
+        )
 
 
 def _stashed_grad(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor | None:
@@ -176,8 +187,9 @@ class AmpStash:
             accepted (NVIDIA's BERT resume writes True) and changes nothing.
         already_patched: Whether the next `step()` will be skipped for non-finite gradients
             (apex patched `step` to skip it). Read-only; reading syncs with the device once.
-        params_have_scaled_gradients: Whether a `delay_unscale` backward left scaled gradients;
-            writable, as apex's `scale_loss` and custom loops write it.
+        params_have_scaled_gradients: Whether a `delay_unscale` backward left scaled gradients.
+            Write True right after a backward to leave its gradients scaled (what apex's
+            `scale_loss(delay_unscale=True)` did); False is accepted once they are unscaled.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
