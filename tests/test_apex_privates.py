@@ -459,3 +459,29 @@ def test_disabled_initialize_binds_nothing_as_in_apex() -> None:
     assert not any(hasattr(opt, name) for name in PRIVATE_NAMES)
     _, opt0 = _setup("O0")  # O0 is processed like every other level
     assert apex_stash.is_attached(opt0) and opt0._amp_stash.all_fp16_params == []
+
+
+def test_an_optimizer_with_a_foreign_amp_stash_is_refused_as_in_apex() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt._amp_stash = object()  # passed through a real apex before
+    with pytest.raises(RuntimeError, match="should only be passed through amp.initialize once"):
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    assert model.weight.dtype == torch.float32 and not hasattr(opt, "_ampx")
+
+
+def test_privates_called_out_of_order_raise_and_change_nothing() -> None:
+    model, opt = _setup()
+    stash = opt._amp_stash
+    with pytest.raises(RuntimeError, match="_prepare_amp_backward"):
+        opt._post_amp_backward()  # no pass open
+    with pytest.raises(RuntimeError, match="no backward pass is open"):
+        stash.params_have_scaled_gradients = True
+    assert stash.params_have_scaled_gradients is False
+    opt._prepare_amp_backward()
+    with pytest.raises(RuntimeError, match="already inside a scale_loss"):
+        opt._prepare_amp_backward()
+    (_loss(model, 0).float() * amp._amp_state.loss_scalers[0].loss_scale()).backward()
+    opt._post_amp_backward()
+    assert all(p.grad is not None for p in amp.master_params(opt))
+    opt.step()  # the pass was complete: step runs

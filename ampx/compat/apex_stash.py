@@ -28,15 +28,9 @@ from typing import Any
 import torch
 
 from .. import _ext
-from ..optimizer import (
-    OptimizerAmpState,
-    adopt_new_groups,
-    amp_state_of,
-    note_found_inf,
-    param_cache,
-    post_backward,
-    prepare_backward,
-)
+from .._journal import Journal
+from ..optimizer import OptimizerAmpState, Stage, amp_state_of
+from ..scaled_pass import ScaledPass
 from ..scaler import LossScaler
 
 __all__ = ["METHOD_NAMES", "AmpStash", "attach", "detach", "detach_all", "is_attached"]
@@ -62,21 +56,17 @@ def _state(optimizer: torch.optim.Optimizer) -> OptimizerAmpState:
 
 def _master_weights(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer's session keeps fp32 master weights (O2, or master_weights=True)."""
-    return bool(_state(optimizer).session.properties.master_weights)
+    return _state(optimizer).policy.master_weights
 
 
 def _pairs(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(half model parameter, fp32 master) for each master this optimizer steps, in group order."""
-    state = _state(optimizer)
-    adopt_new_groups(optimizer, state)
-    return list(param_cache(optimizer, state).pairs)
+    return list(_state(optimizer).cache(optimizer).pairs)
 
 
 def _non_masters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The parameters the optimizer steps that are not masters of a half model parameter."""
-    state = _state(optimizer)
-    adopt_new_groups(optimizer, state)
-    return list(param_cache(optimizer, state).others)
+    return list(_state(optimizer).cache(optimizer).others)
 
 
 def _copy_masters_to_model(optimizer: torch.optim.Optimizer) -> None:
@@ -84,16 +74,15 @@ def _copy_masters_to_model(optimizer: torch.optim.Optimizer) -> None:
 
     (`step()` does it after each step.)
     """
-    state = _state(optimizer)
-    adopt_new_groups(optimizer, state)
-    with torch.no_grad():
-        for masters, models in param_cache(optimizer, state).copy_groups:
-            _ext.copy_(masters, models)
+    cache = _state(optimizer).cache(optimizer)
+    if cache.pairs:
+        with torch.no_grad():
+            _ext.copy_(cache.masters, cache.models)
 
 
 def _grads_scaled(optimizer: torch.optim.Optimizer) -> bool:
     """Whether a `delay_unscale` backward left scaled gradients that wait for unscaling."""
-    return _state(optimizer).scaled_grads_pending
+    return _state(optimizer).stage is Stage.SCALED
 
 
 def _set_grads_scaled(optimizer: torch.optim.Optimizer, value: bool) -> None:
@@ -102,9 +91,19 @@ def _set_grads_scaled(optimizer: torch.optim.Optimizer, value: bool) -> None:
     False is accepted when nothing is scaled (after `_post_amp_backward`, as scripts write it).
     """
     state = _state(optimizer)
-    if value:
-        state.scaled_grads_pending = True
-    elif state.scaled_grads_pending:
+    if value and state.stage is Stage.SCALING:
+        journal = Journal()
+        try:
+            state.commit_delayed(journal)
+        except BaseException:
+            journal.rollback()
+            raise
+    elif value and state.stage is not Stage.SCALED:
+        raise RuntimeError(
+            "_amp_stash.params_have_scaled_gradients = True: no backward pass is open; call "
+            "optimizer._prepare_amp_backward() and backward() first."
+        )
+    elif not value and state.stage in (Stage.SCALING, Stage.SCALED):
         raise RuntimeError(
             "_amp_stash.params_have_scaled_gradients = False: the gradients are still scaled; "
             "call optimizer._post_amp_backward(scaler) after the last backward to unscale them."
@@ -121,12 +120,19 @@ def _next_step_skips(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the next `step()` will be skipped for non-finite gradients (one host sync)."""
     state = _state(optimizer)
     found = state.found_inf
-    return bool(state.pending and found is not None and found.item())
+    return bool(state.stage is Stage.UNSCALED and state.policy.skips and found is not None
+                and found.item())
 
 
 def _prepare(optimizer: torch.optim.Optimizer) -> None:
-    """What `scale_loss` does before the backward, for this optimizer."""
-    prepare_backward(optimizer, _state(optimizer))
+    """What `scale_loss` does before the backward: move earlier gradients aside.
+
+    After a `delay_unscale` pass (gradients still scaled) nothing moves, as in apex's
+    `scale_loss`, which skipped the prepare then.
+    """
+    state = _state(optimizer)
+    if state.stage is not Stage.SCALED:
+        state.begin_backward(optimizer)
 
 
 def _post(optimizer: torch.optim.Optimizer, scaler: LossScaler) -> None:
@@ -134,23 +140,24 @@ def _post(optimizer: torch.optim.Optimizer, scaler: LossScaler) -> None:
 
     Unscales this pass's gradients (into the masters at O2, onto stashed earlier gradients
     elsewhere), flags non-finite values, updates the scale and, on overflow, makes the next
-    `step()` a skipped one.
+    `step()` a skipped one. All of it or nothing (the protocol's transaction).
     """
     state = _state(optimizer)
-    session = state.session
-    found_inf = torch.zeros(1, dtype=torch.float32, device=scaler.device)
-    post_backward(optimizer, state, scaler.inv_scale(), found_inf)
-    state.scaled_grads_pending = False
-    session.synchronize_found_inf(found_inf)
-    scaler.update_(found_inf)
-    if session.skips_non_finite:
-        note_found_inf(state, found_inf)
-    state.loss_ids.add(scaler.loss_id)
+    if state.stage is Stage.SCALED:
+        state.begin_backward(optimizer)  # records the scaled gradients, as scale_loss does
+    if state.stage is not Stage.SCALING:
+        raise RuntimeError("_post_amp_backward: call optimizer._prepare_amp_backward() "
+                           "before the backward.")
+    session: Any = state.session  # the Amp that attached it (opaque to the protocol)
+    sync = session.synchronize_found_inf
+    loss = state.last_loss if state.last_loss is not None else torch.zeros(())
+    ScaledPass([optimizer], [state], scaler, sync).end(loss, loss_id=scaler.loss_id)
 
 
 def _session_scaler(optimizer: torch.optim.Optimizer, scaler: Any) -> LossScaler:
     """`scaler` checked against the optimizer's session (None: the session's first scaler)."""
-    scalers = _state(optimizer).session.scalers
+    session: Any = _state(optimizer).session
+    scalers = session.scalers
     if scaler is None:
         return scalers[0]
     if not any(scaler is mine for mine in scalers):
