@@ -485,3 +485,30 @@ def test_privates_called_out_of_order_raise_and_change_nothing() -> None:
     opt._post_amp_backward()
     assert all(p.grad is not None for p in amp.master_params(opt))
     opt.step()  # the pass was complete: step runs
+
+
+def test_a_failing_post_drops_the_pass_and_restores_earlier_gradients(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = _setup()
+    stash = opt._amp_stash
+    with amp.scale_loss(_loss(model, 0), opt) as scaled:
+        scaled.backward()
+    earlier = [p.grad for p in stash.all_fp32_from_fp32_params]
+    masters = [p.grad for p in stash.all_fp32_from_fp16_params]
+    scale = amp._amp_state.loss_scalers[0].loss_scale()
+    opt._prepare_amp_backward()
+    (_loss(model, 1).float() * scale).backward()
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr("ampx.unscale.run", broken)
+        with pytest.raises(KeyboardInterrupt):
+            opt._post_amp_backward()
+    assert all(p.grad is g for p, g in zip(stash.all_fp32_from_fp32_params, earlier))
+    assert all(p.grad is g for p, g in zip(stash.all_fp32_from_fp16_params, masters))
+    assert all(p.grad is None for p in stash.all_fp16_params)
+    assert amp._amp_state.loss_scalers[0].loss_scale() == scale
+    assert stash.params_have_scaled_gradients is False
+    opt._prepare_amp_backward()  # the optimizer is usable again
