@@ -152,11 +152,19 @@ def test_bert_resume_recipe_is_bitwise_in_a_fresh_process(half_dtype: torch.dtyp
 
 # -- poking each name the way scripts do -------------------------------------------------------
 
-def _setup(level: str = "O2", dtype: torch.dtype = torch.float16, **kw: Any
-           ) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _setup(level: str = "O2", dtype: torch.dtype = torch.float16, own_scalers: bool = False,
+           **kw: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model and optimizer through `amp.initialize` (or an `ampx.Amp` with own scalers).
+
+    Module-level sessions share apex's one list of loss scalers (`_amp_state.loss_scalers`),
+    so a reference run next to the run under test gets `own_scalers=True`.
+    """
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if own_scalers:
+        session = ampx.Amp(level, dtype=dtype, verbosity=0, **kw)
+        return session.initialize(model, optimizer)
     return amp.initialize(model, optimizer, opt_level=level, dtype=dtype, verbosity=0, **kw)
 
 
@@ -226,8 +234,8 @@ def _custom_scale_loss(opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("level", ["O2", "O1"])
 def test_prepare_and_post_match_scale_loss_bitwise(level: str, half_dtype: torch.dtype) -> None:
-    ref_model, ref_opt = _setup(level, half_dtype)
-    model, opt = _setup(level, half_dtype)  # initialized last: _amp_state shows its scalers
+    ref_model, ref_opt = _setup(level, half_dtype, own_scalers=True)
+    model, opt = _setup(level, half_dtype)  # _amp_state.loss_scalers are this one's
     for step in range(3):
         for micro in range(2):  # two backward passes per step accumulate
             with amp.scale_loss(_loss(ref_model, 10 * step + micro), ref_opt) as scaled:
@@ -268,8 +276,11 @@ def test_overflow_through_the_privates_skips_the_next_step(half_dtype: torch.dty
     model, opt = _setup(dtype=half_dtype)
     stash = opt._amp_stash
     assert stash.already_patched is False
+    scale = amp._amp_state.loss_scalers[0].loss_scale()
     _custom_scale_loss(opt, _loss(model, 0, poison=True))
     assert stash.already_patched is True
+    backed_off = scale / 2 if half_dtype == torch.float16 else scale  # bf16: static 1.0
+    assert amp._amp_state.loss_scalers[0].loss_scale() == backed_off
     before = [p.detach().clone() for p in amp.master_params(opt)]
     opt.step()
     assert ampx.step_was_skipped(opt) and stash.already_patched is False
@@ -310,7 +321,7 @@ def test_lazy_init_resets_grads_and_flags_accept_writes(half_dtype: torch.dtype)
 
 def test_delay_unscale_through_the_stash_flag_matches_scale_loss(half_dtype: torch.dtype
                                                                  ) -> None:
-    ref_model, ref_opt = _setup(dtype=half_dtype)
+    ref_model, ref_opt = _setup(dtype=half_dtype, own_scalers=True)
     model, opt = _setup(dtype=half_dtype)
     stash = opt._amp_stash
     scaler = amp._amp_state.loss_scalers[0]
@@ -335,7 +346,7 @@ def test_delay_unscale_through_the_stash_flag_matches_scale_loss(half_dtype: tor
 
 
 def test_post_rejects_a_scaler_of_another_session() -> None:
-    _, first = _setup()
+    _, first = _setup(own_scalers=True)
     _, second = _setup()
     with pytest.raises(ValueError, match="loss scalers of the session"):
         first._post_amp_backward(amp._amp_state.loss_scalers[0])
@@ -435,7 +446,7 @@ def test_failed_initialize_leaves_no_private_names(monkeypatch: pytest.MonkeyPat
         with pytest.raises(RuntimeError, match="late failure"):
             amp.initialize(model, opt, opt_level="O2", verbosity=0)
     assert not any(name in vars(opt) for name in (*PRIVATE_NAMES, "_ampx"))
-    assert opt not in apex_stash._ATTACHED
+    assert not apex_stash.is_attached(opt)
     amp.initialize(model, opt, opt_level="O2", verbosity=0)
     assert apex_stash.is_attached(opt)
 
