@@ -150,6 +150,7 @@ def _post(optimizer: torch.optim.Optimizer, scaler: LossScaler) -> None:
                            "before the backward.")
     session: Any = state.session  # the Amp that attached it (opaque to the protocol)
     sync = session.synchronize_found_inf
+    # apex's call does not get the loss: telemetry keeps the last one scale_loss recorded
     loss = state.last_loss if state.last_loss is not None else torch.zeros(())
     ScaledPass([optimizer], [state], scaler, sync).end(loss, loss_id=scaler.loss_id)
 
