@@ -19,11 +19,13 @@ from torch import nn
 import ampx
 from ampx import amp
 from ampx.compat import apex_stash
+from ampx.compat.apex.optimizers import FusedLAMB
 
 REPO = Path(__file__).resolve().parents[1]
 PRIVATE_NAMES = ("_amp_stash", *apex_stash.METHOD_NAMES)
 
-# NVIDIA DeepLearningExamples BERT run_pretraining.py, reduced to a tiny model: the checkpoint
+# NVIDIA DeepLearningExamples BERT run_pretraining.py, reduced to a tiny model (with FusedLAMB
+# from `apex.optimizers`, ampx's under the alias, as BERT uses apex's): the checkpoint
 # holds model, optimizer, amp state and `list(amp.master_params(optimizer))`; the resume loads
 # the model before initialize, then the optimizer state twice around the private calls, and
 # copies the saved masters back with `param.data.copy_()`.
@@ -36,13 +38,13 @@ from torch import nn
 N_FIRST, N_MORE = 3, 3
 
 
-def build():
+def build(lamb):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
     decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
+    optimizer = lamb([{"params": decay, "weight_decay": 0.01},
+                      {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
     return model, optimizer
 
 
@@ -73,8 +75,9 @@ def results(amp, model, optimizer, losses):
 
 def resume(checkpoint_path, out_path, dtype):
     from apex import amp
+    from apex.optimizers import FusedLAMB
 
-    model, optimizer = build()
+    model, optimizer = build(FusedLAMB)
     checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
     model.load_state_dict(checkpoint["model"])
     model, optimizer = initialize(amp, model, optimizer, dtype)
@@ -124,7 +127,7 @@ def test_bert_resume_recipe_is_bitwise_in_a_fresh_process(half_dtype: torch.dtyp
     script.write_text(BERT_SCRIPT)
     bert = runpy.run_path(str(script), run_name="bert_resume")
     dtype = "fp16" if half_dtype == torch.float16 else "bf16"
-    model, optimizer = bert["initialize"](amp, *bert["build"](), dtype)
+    model, optimizer = bert["initialize"](amp, *bert["build"](FusedLAMB), dtype)
     bert["train"](amp, model, optimizer, range(bert["N_FIRST"]))
     saved_masters = [p.detach().clone() for p in amp.master_params(optimizer)]
     torch.save({"model": _apex_model_state(model, half_dtype),
