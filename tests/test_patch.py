@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-import wrapt
 from torch import nn
 
 import ampx
 from ampx import patch
+from ampx.lists import Policy
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -184,7 +184,8 @@ def test_registration_overrides_list_entry_without_double_wrapping() -> None:
     ampx.initialize(nn.Linear(2, 2), opt_level="O1", verbosity=0)
     ampx.register_float_function(torch, "matmul")
     wrapper = vars(torch)["matmul"]
-    assert isinstance(wrapper, wrapt.FunctionWrapper) and wrapper.__wrapped__ is original
+    assert isinstance(wrapper, types.FunctionType) and wrapper.__wrapped__ is original
+    assert wrapper.__ampx_policy__ is Policy.FP32
     h = torch.rand(2, 2, dtype=torch.float16)
     assert torch.matmul(h, h).dtype == torch.float32
     ampx.restore()
@@ -377,8 +378,9 @@ def test_failed_activation_keeps_previous_patches(monkeypatch: pytest.MonkeyPatc
 
 def _count_wrappers() -> int:
     gc.collect()
-    proxy = wrapt.ObjectProxy  # type(o), not isinstance: no __class__ lookups
-    return sum(1 for o in gc.get_objects() if issubclass(type(o), proxy))
+    function = types.FunctionType  # type(o), not isinstance: no __class__ lookups
+    return sum(1 for o in gc.get_objects()
+               if type(o) is function and "__ampx_policy__" in o.__dict__)
 
 
 def _rss_bytes() -> int:
