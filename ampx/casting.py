@@ -24,7 +24,8 @@ def is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
 
-def map_tensors(value: Any, fn: _TensorCast, leaf: Callable[[Any], Any] | None = None) -> Any:
+def map_tensors(value: Any, fn: _TensorCast, leaf: Callable[[Any], Any] | None = None,
+                rebuild: bool = False) -> Any:
     """Apply `fn` to every tensor in lists, tuples, namedtuples and dicts; `value` if unchanged.
 
     This is the one walker over nested values (O1's argument casts and O2's input/output
@@ -34,7 +35,8 @@ def map_tensors(value: Any, fn: _TensorCast, leaf: Callable[[Any], Any] | None =
     other mappings only when `leaf` is given (then rebuilt with their own type when it takes
     a dict). Any other value goes to `leaf` (or is returned as it is).
 
-    Plain Python throughout, so dynamo traces it inside compiled code.
+    Plain Python, so dynamo traces it; traced code passes `rebuild=True`, which skips the
+    identity tests (dynamo cannot trace `is` between containers) and always rebuilds.
 
     >>> map_tensors([torch.ones(1), (2, torch.ones(1))], torch.Tensor.half)[1][1].dtype
     torch.float16
@@ -42,20 +44,21 @@ def map_tensors(value: Any, fn: _TensorCast, leaf: Callable[[Any], Any] | None =
     if isinstance(value, _Tensor):
         return fn(value)
     if isinstance(value, (list, tuple)):
-        items = [map_tensors(v, fn, leaf) for v in value]
-        if all(a is b for a, b in zip(items, value)):
+        items = [map_tensors(v, fn, leaf, rebuild) for v in value]
+        if not rebuild and all(a is b for a, b in zip(items, value)):
             return value
         if not isinstance(value, tuple):
             return items
         return type(value)(*items) if is_namedtuple(value) else type(value)(items)
     if isinstance(value, dict) or (leaf is not None and isinstance(value, collections.abc.Mapping)):
-        mapped = {k: map_tensors(v, fn, leaf) for k, v in value.items()}
-        if all(mapped[k] is v for k, v in value.items()):
+        mapped = {k: map_tensors(v, fn, leaf, rebuild) for k, v in value.items()}
+        if not rebuild and all(mapped[k] is v for k, v in value.items()):
             return value
         if type(value) is dict:
             return mapped
+        mapping_type: Any = type(value)
         try:
-            return type(value)(mapped)
+            return mapping_type(mapped)
         except TypeError:
             return mapped
     return value if leaf is None else leaf(value)

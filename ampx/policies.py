@@ -137,13 +137,16 @@ def _has_half(values: Any, eligible: Callable[[torch.Tensor], bool]) -> bool:
     return False
 
 
-def map_converter(cast: TensorCast) -> Converter:
-    """A converter applying `cast` to every tensor argument (nested ones too)."""
+def map_converter(cast: TensorCast, compiled: bool = False) -> Converter:
+    """A converter applying `cast` to every tensor argument (nested ones too).
+
+    The compile build always returns the rebuilt arguments (no identity tests in traced code).
+    """
 
     def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        new_args = map_tensors(args, cast)
-        new_kwargs = map_tensors(kwargs, cast) if kwargs else kwargs
-        if new_args is args and new_kwargs is kwargs:
+        new_args = map_tensors(args, cast, rebuild=compiled)
+        new_kwargs = map_tensors(kwargs, cast, rebuild=compiled) if kwargs else kwargs
+        if not compiled and new_args is args and new_kwargs is kwargs:
             return None
         return new_args, new_kwargs
 
@@ -250,10 +253,10 @@ class Caster:
 
     def _build(self, policy: Policy, name: str, compiled: bool) -> Converter:
         if policy in (Policy.LOWER, Policy.RNN):
-            return map_converter(self.half_cast(name, compiled=compiled))
+            return map_converter(self.half_cast(name, compiled=compiled), compiled)
         if policy is Policy.FP32:
             return map_converter(self.dtype_cast(torch.float32, _HALF_TYPES, name,
-                                                 compiled=compiled))
+                                                 compiled=compiled), compiled)
         if policy in (Policy.PROMOTE, Policy.SEQUENCE_PROMOTE):
             return self._promote(name, compiled, sequence=policy is Policy.SEQUENCE_PROMOTE)
         if policy is Policy.INPLACE_MATCH_SELF:
@@ -301,8 +304,9 @@ class Caster:
                 return None
             cast = casts[torch.float64 if torch.float64 in found else torch.float32]
             if sequence:
-                return (map_tensors(args[0], cast), *args[1:]), kwargs
-            return map_tensors(args, cast), map_tensors(kwargs, cast) if kwargs else kwargs
+                return (map_tensors(args[0], cast, rebuild=compiled), *args[1:]), kwargs
+            return (map_tensors(args, cast, rebuild=compiled),
+                    map_tensors(kwargs, cast, rebuild=compiled) if kwargs else kwargs)
 
         return convert
 
@@ -328,14 +332,14 @@ class Caster:
             else:
                 if not kwargs:
                     return None
-            return map_converter(cast)(args, kwargs)
+            return map_converter(cast, compiled)(args, kwargs)
 
         return convert
 
     def _inplace_fp32(self, name: str, compiled: bool) -> Converter:
         eligible = self._eligible[compiled]
         to_float = map_converter(self.dtype_cast(torch.float32, _HALF_TYPES, name,
-                                                 compiled=compiled))
+                                                 compiled=compiled), compiled)
         plain = name.rsplit(".", 1)[-1].strip("_").replace("ipow", "pow").rstrip("_")
 
         def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -354,7 +358,7 @@ class Caster:
     def _banned(self, name: str, compiled: bool) -> Converter:
         eligible = self._eligible[compiled]
         to_float = map_converter(self.dtype_cast(torch.float32, _HALF_TYPES, name,
-                                                 compiled=compiled))
+                                                 compiled=compiled), compiled)
         allow = self.config.allow_banned
 
         def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
