@@ -12,6 +12,7 @@ ContextVar.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable, Protocol
 
 import torch
@@ -23,6 +24,27 @@ from .policies import _CASTS_DISABLED, _HALF_TYPES, LOCAL, Caster, Converter, Te
 __all__ = ["Live", "decorator_wrapper", "make_wrapper"]
 
 _Tensor = torch.Tensor
+
+
+# Torch's own Python code that runs only while compiling (decompositions, meta functions,
+# refs): a patched function it calls must not cast, or the compiled graph would get casts
+# that eager O1 (which runs the C++ kernels) never makes, e.g. inside sdpa's math path.
+_COMPILER_INTERNALS = ("torch._decomp", "torch._refs", "torch._prims", "torch._meta_registrations",
+                       "torch._inductor", "torch._subclasses", "torch._functorch",
+                       "torch._higher_order_ops")
+
+
+def _applies_when_compiling() -> bool:
+    """In a compile: whether the calling wrapper's policy applies.
+
+    Inlined by dynamo (the user's code): yes, and dynamo folds this to a constant. Run
+    opaquely (a Tensor method during fake propagation or AOT tracing): yes unless the caller
+    is compiler-internal code.
+    """
+    if torch.compiler.is_dynamo_compiling():
+        return True
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    return not caller.startswith(_COMPILER_INTERNALS)
 
 
 class Live(Protocol):
@@ -65,7 +87,7 @@ def _map_wrapper(original: Callable[..., Any], session: Live, cast: TensorCast,
     def ampx_cast(*args: Any, **kwargs: Any) -> Any:
         if session.live:
             if compiling():
-                if not local.depth:
+                if not local.depth and _applies_when_compiling():
                     converted = compiled(args, kwargs)
                     if converted is not None:
                         return original(*converted[0], **converted[1])
@@ -116,7 +138,8 @@ def _convert_wrapper(original: Callable[..., Any], session: Live, eager: Convert
     def ampx_cast(*args: Any, **kwargs: Any) -> Any:
         if session.live:
             if compiling():
-                converted = None if local.depth else compiled(args, kwargs)
+                converted = (compiled(args, kwargs)
+                             if not local.depth and _applies_when_compiling() else None)
             else:
                 converted = None if disabled() else eager(args, kwargs)
             if converted is not None:
@@ -142,8 +165,8 @@ def decorator_wrapper(fn: Callable[..., Any], policy: Policy,
         caster = current()
         if caster is not None:
             if compiling():
-                converted = None if local.depth else caster.compiled_converters[policy](
-                    args, kwargs)
+                converted = (caster.compiled_converters[policy](args, kwargs)
+                             if not local.depth and _applies_when_compiling() else None)
             else:
                 converted = None if disabled() else caster.converter(policy, label)(args, kwargs)
             if converted is not None:
