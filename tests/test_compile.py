@@ -302,3 +302,22 @@ def test_no_process_wide_damage_after_restore() -> None:
     assert float(lines["diff"]) < 1e-5
     assert lines["captured"] == "torch.float32"
     assert lines["matmul"] == "torch.float32"
+
+
+def test_disable_casts_around_a_compiled_call_covers_everything() -> None:
+    """Entered outside the compiled call, the region is real while tracing: Tensor methods
+    and functions are left alone. The function's F.linear reads the disable depth, which
+    dynamo guards, so the same function compiles again with casts outside."""
+    _o1(torch.bfloat16)
+    compiled = torch.compile(_mixed, backend="aot_eager", fullgraph=True)
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    with ampx.disable_casts():
+        inside = compiled(x, w)
+    outside = compiled(x, w)
+    assert [t.dtype for t in inside] == [torch.float32] * 3
+    assert [t.dtype for t in outside] == [torch.bfloat16, torch.bfloat16, torch.float32]
+
+
+def _mixed(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    y = x @ w  # Tensor.__matmul__: lower
+    return y, F.linear(x, w), y.softmax(-1)  # F.linear: lower; Tensor.softmax: fp32
