@@ -220,21 +220,23 @@ _PRE_IMPORTS = (
     "torch._decomp.decompositions_for_jvp",
 )
 _prepared = False
+_RULE_MAP: list[Any] = [None]  # the rule map built before the active session's patches
 
 
 def _prepare_torch() -> None:
     global _prepared
-    if _prepared:
-        return
-    for name in _PRE_IMPORTS:
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # a torch build without the compiler: nothing to protect
-            logger.debug("ampx: could not import %s before patching: %s", name, exc)
+    if not _prepared:
+        for name in _PRE_IMPORTS:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # a torch build without the compiler: nothing to protect
+                logger.debug("ampx: could not import %s before patching: %s", name, exc)
+        _prepared = True
     rules = sys.modules.get("torch._dynamo.trace_rules")
     if rules is not None:
-        rules.get_torch_obj_rule_map()  # cached on first use: build it from the originals
-    _prepared = True
+        # dynamo's map of torch functions is cached on first use, and torch clears it at
+        # times (init_process_group): build it from the originals before patching.
+        _RULE_MAP[0] = rules.get_torch_obj_rule_map()
 
 
 def _reset_compiled() -> None:
@@ -242,6 +244,16 @@ def _reset_compiled() -> None:
     # none) must go when a session starts or ends.
     if "torch._dynamo" in sys.modules:
         torch.compiler.reset()
+
+
+def _drop_rules_built_during_session() -> None:
+    # A rule map rebuilt while patched holds the session's wrappers as torch functions and
+    # lacks the originals ("does not know how to trace builtin torch.layer_norm"): forget it.
+    rules = sys.modules.get("torch._dynamo.trace_rules")
+    cached = rules is not None and rules.get_torch_obj_rule_map.cache_info().currsize
+    if cached and rules.get_torch_obj_rule_map() is not _RULE_MAP[0]:
+        rules.clear_lru_cache()
+    _RULE_MAP[0] = None
 
 
 def active() -> O1Patches | None:
@@ -283,6 +295,7 @@ def deactivate() -> None:
         try:
             patches.uninstall()
         finally:
+            _drop_rules_built_during_session()
             _reset_compiled()
 
 

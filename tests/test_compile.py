@@ -325,3 +325,17 @@ def test_disable_casts_around_a_compiled_call_covers_everything() -> None:
 def _mixed(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     y = x @ w  # Tensor.__matmul__: lower
     return y, F.linear(x, w), y.softmax(-1)  # F.linear: lower; Tensor.softmax: fp32
+
+
+def test_dynamo_rules_rebuilt_during_a_session_are_dropped() -> None:
+    """torch clears dynamo's rule map at times (init_process_group); rebuilt while patched,
+    it would make the originals untraceable after restore."""
+    from torch._dynamo import trace_rules
+
+    _o1(torch.bfloat16)
+    trace_rules.clear_lru_cache()  # what init_process_group does
+    trace_rules.get_torch_obj_rule_map()  # rebuilt with the session's wrappers
+    ampx.restore()
+    model, x = MLP(), torch.randn(4, 16)
+    out = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(out, model(x))
