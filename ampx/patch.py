@@ -249,10 +249,10 @@ def _reset_compiled() -> None:
 def _drop_rules_built_during_session() -> None:
     # A rule map rebuilt while patched holds the session's wrappers as torch functions and
     # lacks the originals ("does not know how to trace builtin torch.layer_norm"): forget it.
-    rules = sys.modules.get("torch._dynamo.trace_rules")
-    cached = rules is not None and rules.get_torch_obj_rule_map.cache_info().currsize
-    if cached and rules.get_torch_obj_rule_map() is not _RULE_MAP[0]:
-        rules.clear_lru_cache()
+    rules: Any = sys.modules.get("torch._dynamo.trace_rules")
+    if rules is not None and rules.get_torch_obj_rule_map.cache_info().currsize:
+        if rules.get_torch_obj_rule_map() is not _RULE_MAP[0]:
+            rules.clear_lru_cache()
     _RULE_MAP[0] = None
 
 
