@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import ampx
 from ampx import cli, frontend
@@ -288,11 +289,19 @@ def test_info_reports_versions_devices_and_kernels(capsys: pytest.CaptureFixture
     assert "backend" in info["kernels"]
 
 
-def test_cpu_support_detection() -> None:
-    assert cli._cpu_support({"amx_bf16", "avx512_bf16"})["bf16"] == "native (AMX-BF16)"
-    assert cli._cpu_support({"avx512_bf16"})["bf16"] == "native (AVX512-BF16)"
-    assert cli._cpu_support({"avx2"})["bf16"].startswith("emulated")
-    assert cli._cpu_support({"avx512_fp16"})["fp16"] == "native (AVX512-FP16)"
+def test_cpu_support_detection(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ampx import info
+
+    assert info.cpu_support({"amx_tile": True, "avx512_bf16": True})["bf16"] == \
+        "native (AMX-BF16)"
+    assert info.cpu_support({"avx512_bf16": True})["bf16"] == "native (AVX512-BF16)"
+    assert info.cpu_support({"avx2": True, "avx512_bf16": False})["bf16"].startswith("emulated")
+    assert info.cpu_support({"amx_fp16": True})["fp16"] == "native (AMX-FP16)"
+    # the features are torch's own probes, not /proc/cpuinfo
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    features = info.cpu_features()
+    assert features["avx512_bf16"] is True and features["amx_tile"] is False
 
 
 def test_lists_o1_shows_what_each_function_does(capsys: pytest.CaptureFixture[str]) -> None:
