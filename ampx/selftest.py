@@ -249,7 +249,8 @@ def run_checks(on: Optional[list[str]] = None, *, native: Any = None,
             for dtype in _DTYPES:
                 if device == "cpu" and dtype == "fp16":
                     continue  # emulated on most CPUs: a slow number that says nothing
-                yield _guarded(device, f"speed {dtype}", functools.partial(speed_check, device, dtype))
+                yield _guarded(device, f"speed {dtype}",
+                               functools.partial(speed_check, device, dtype))
 
 
 def format_report(checks: list[Check]) -> str:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from .sweep_stats import Row
 
-__all__ = ["write_png"]
+__all__ = ["build_figure", "write_png"]
 
 _LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
@@ -122,34 +122,20 @@ def _failed_figure(fig: Any, rows: Sequence[Row], title: str) -> None:
     fig.suptitle(title)
 
 
-def write_png(rows: Sequence[Row], path: Path, title: str = "ampx sweep",
-              device: str = "cpu") -> Optional[Path]:
-    """Write `sweep.png`.
+def build_figure(rows: Sequence[Row], title: str = "ampx sweep", device: str = "cpu") -> Any:
+    """The figure of `write_png` (a matplotlib Figure; raises ImportError without matplotlib)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    Args:
-        rows: Compared rows.
-        path: Destination.
-        title: Figure title.
-        device: "cpu" or "cuda..." (says what the peak-memory bars measure).
-
-    Returns:
-        The path, or None when matplotlib is not installed (`pip install ampx[plot]`).
-    """
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        return None
     if not any(r.ok and r.series.get("loss") for r in rows):
         fig = Figure(figsize=(10, 1.5 + 0.3 * len(rows)), layout="constrained")
         FigureCanvasAgg(fig)
         _failed_figure(fig, rows, title)
-        fig.savefig(path, dpi=100)
-        return path
+        return fig
     scales = _scales(rows)
     layout: Any = ([["loss", "delta", "scale"], ["time", "speed", "mem"]] if scales
-              else [["loss", "loss", "delta", "delta", "time", "time"],
-                    ["speed", "speed", "speed", "mem", "mem", "mem"]])
+                   else [["loss", "loss", "delta", "delta", "time", "time"],
+                         ["speed", "speed", "speed", "mem", "mem", "mem"]])
     fig = Figure(figsize=(15, 8.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplot_mosaic(layout)
@@ -162,5 +148,25 @@ def write_png(rows: Sequence[Row], path: Path, title: str = "ampx sweep",
                      "or noisy steps; see the table)", color="firebrick")
     else:
         fig.suptitle(title)
+    return fig
+
+
+def write_png(rows: Sequence[Row], path: Path, title: str = "ampx sweep",
+              device: str = "cpu") -> Optional[Path]:
+    """Write `sweep.png` (see `build_figure`).
+
+    Args:
+        rows: Compared rows.
+        path: Destination.
+        title: Figure title.
+        device: "cpu" or "cuda..." (says what the peak-memory bars measure).
+
+    Returns:
+        The path, or None when matplotlib is not installed (`pip install ampx[plot]`).
+    """
+    try:
+        fig = build_figure(rows, title, device)
+    except ImportError:
+        return None
     fig.savefig(path, dpi=100)
     return path
