@@ -63,13 +63,47 @@ def test_argument_errors_exit_2_with_one_line(argv: list[str], fragment: str,
     assert fragment in err
 
 
-@pytest.mark.parametrize("command", ["run", "sweep", "info", "lists", "build-ext"])
+@pytest.mark.parametrize("command", ["run", "sweep", "selftest", "info", "lists", "build-ext"])
 def test_every_subcommand_help_has_an_example(command: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([command, "--help"]) == 0
     out = capsys.readouterr().out
     assert "example" in out
     assert f"ampx {command}" in out
+
+
+HELP_PROBE = textwrap.dedent("""
+    import sys
+    import types
+
+    # ampx's own modules, without the package __init__ (which imports the library)
+    package = types.ModuleType("ampx")
+    package.__path__ = [sys.argv[1]]
+    package.__version__ = "0"
+    sys.modules["ampx"] = package
+    from ampx import cli
+
+    for argv in (["--help"], ["run", "--help"], ["sweep", "--help"], ["selftest", "--help"],
+                 ["--version"]):
+        assert cli.main(argv) == 0
+    print("TORCH", sorted(name for name in sys.modules if name.split(".")[0] == "torch")[:3])
+""")
+
+
+def test_help_imports_no_torch(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", HELP_PROBE, str(ROOT / "ampx")], cwd=tmp_path,
+                          env=_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    # the parser, the dispatch and every --help import no torch
+    assert proc.stdout.splitlines()[-1] == "TORCH []"
+
+
+def test_python_dash_m_ampx_lists_help_is_help(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "ampx.lists", "--help"], cwd=tmp_path,
+                          env=_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m ampx.lists") and "--opt-levels" in proc.stdout
+    assert "# O1 cast lists" not in proc.stdout
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
