@@ -314,6 +314,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except _UsageError as exc:
         print(f"ampx: error: {exc} (see 'ampx {args.command} --help')", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a script or a sweep's runs: no traceback
+        print(f"ampx {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `ampx lists | head`: the reader left; stay quiet as python does
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

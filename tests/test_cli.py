@@ -388,3 +388,16 @@ def test_info_and_lists_as_processes(tmp_path: Path) -> None:
     proc = _ampx("run", "-O", "O7", "x.py", cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.startswith("ampx: error: ") and proc.stderr.count("\n") == 1
+
+
+def test_ctrl_c_in_any_subcommand_exits_130_without_a_traceback(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from ampx import info
+
+    def interrupted() -> dict:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(info, "collect_info", interrupted)
+    assert cli.main(["info"]) == 130
+    err = capsys.readouterr().err
+    assert err == "ampx info: interrupted\n"
