@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -445,3 +446,48 @@ def test_figure_of_an_all_failed_sweep_lists_the_failures(tmp_path: Path) -> Non
     assert "No configuration finished" in text and "O0: error: exit 1: boom" in text
     png = sweep_plot.write_png(rows, tmp_path / "sweep.png")
     assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
+
+
+ENDLESS_SCRIPT = textwrap.dedent("""
+    # Writes a step record every 0.2 s until it is stopped.
+    import json, os, time
+    with open(os.environ["AMPX_TELEMETRY"], "a") as f:
+        f.write(json.dumps({"event": "init", "opt_level": "O0"}) + "\\n")
+        step = 0
+        while True:
+            step += 1
+            f.write(json.dumps({"event": "step", "step": step, "optimizer": 0,
+                                "step_time_s": 0.2, "loss": 1.0, "loss_scale": 1.0,
+                                "skipped": False, "peak_mem_bytes": 2**20}) + "\\n")
+            f.flush()
+            time.sleep(0.2)
+""")
+
+
+@pytest.mark.slow
+def test_sigint_to_a_sweep_process_writes_partial_results(tmp_path: Path) -> None:
+    import signal
+
+    script = tmp_path / "endless.py"
+    script.write_text(ENDLESS_SCRIPT)
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ampx", "sweep", str(script), "--levels", "O0,O1", "--out",
+         str(out), "--no-plot"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    telemetry_file = out / "runs" / "O0.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+            telemetry_file.exists() and telemetry_file.read_text().count('"step"') >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert "O0: interrupted: stopped by Ctrl-C" in stdout
+    data = json.loads((out / "sweep.json").read_text())
+    assert data["meta"]["interrupted"] is True
+    assert data["rows"][0]["status"] == "interrupted" and data["rows"][0]["steps"] >= 3
+    assert (out / "sweep.csv").exists()
