@@ -86,6 +86,9 @@ def format_table(rows: Sequence[Row]) -> str:
     for row in rows:
         if row.error:
             lines.append(f"{row.label}: {row.status}: {row.error}")
+        if row.skip_culprits:
+            named = ", ".join(f"{name} ({count})" for name, count in row.skip_culprits)
+            lines.append(f"{row.label}: skipped steps overflowed first in {named}")
     noisy = [r for r in rows if r.ok and r.unreliable]
     for row in noisy:
         lines.append(f"{row.label}: note: {row.unreliable}")

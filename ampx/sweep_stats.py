@@ -66,6 +66,8 @@ class Row:
         speedup_high: O0's 75th percentile over this row's 25th.
         mem_ratio: This row's peak memory divided by O0's.
         loss_delta: (final_loss - O0's) / |O0's|.
+        skip_culprits: The modules most often named by the overflow reports of skipped steps
+            (`[[name, count], ...]`, top 3; the forward module when the report has one).
         unreliable: Why this row's timings (or O0's, which its speed-up divides) are not to
             be trusted, or None.
         series: Per-step "loss", "loss_scale", "step_time_s" and "skipped" lists.
@@ -97,6 +99,7 @@ class Row:
     speedup_high: Optional[float] = None
     mem_ratio: Optional[float] = None
     loss_delta: Optional[float] = None
+    skip_culprits: list[list[Any]] = dataclasses.field(default_factory=list)
     unreliable: Optional[str] = None
     series: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
     init: Optional[dict[str, Any]] = None
@@ -126,6 +129,22 @@ def _timings(row: Row, step_times: list[Any]) -> None:
     row.step_time_spread = q3 / q1 if q1 > 0 else None
 
 
+def _culprits(steps: list[dict[str, Any]]) -> list[list[Any]]:
+    counts: dict[str, int] = {}
+    for record in steps:
+        report = record.get("overflow")
+        if not record.get("skipped") or not isinstance(report, dict):
+            continue
+        name = report.get("forward_module")
+        modules = report.get("modules")
+        if not name and isinstance(modules, list) and modules and isinstance(modules[0], list):
+            name = modules[0][0]
+        if name:
+            counts[str(name)] = counts.get(str(name), 0) + 1
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:3]
+    return [[name, count] for name, count in ranked]
+
+
 def summarize(row: Row, init: Optional[dict[str, Any]], steps: list[dict[str, Any]]) -> Row:
     """Fill a row's own metrics (not those relative to O0) from its telemetry."""
     row.init = init
@@ -147,6 +166,7 @@ def summarize(row: Row, init: Optional[dict[str, Any]], steps: list[dict[str, An
         bad = [v for v in tail if not math.isfinite(v)]
         row.final_loss = bad[-1] if bad else math.fsum(tail) / len(tail)
     row.skipped = sum(row.series["skipped"])
+    row.skip_culprits = _culprits(steps)
     scale = steps[-1].get("loss_scale")
     row.final_scale = float(scale) if isinstance(scale, (int, float)) else None
     return row

@@ -491,3 +491,15 @@ def test_sigint_to_a_sweep_process_writes_partial_results(tmp_path: Path) -> Non
     assert data["meta"]["interrupted"] is True
     assert data["rows"][0]["status"] == "interrupted" and data["rows"][0]["steps"] >= 3
     assert (out / "sweep.csv").exists()
+
+
+def test_skip_culprits_come_from_the_overflow_reports() -> None:
+    records = _steps([1.0] * 6, skipped=(1, 2, 3, 4))
+    records[1]["overflow"] = {"modules": [["fc2", 3], ["fc1", 1]]}
+    records[2]["overflow"] = {"modules": [["fc2", 1]]}
+    records[3]["overflow"] = {"modules": [["fc1", 2]], "forward_module": "attn"}
+    records[5]["overflow"] = {"modules": [["ignored", 1]]}  # not a skipped step
+    row = _row("O1 fp16", "O1", "fp16", records)
+    assert row.skip_culprits == [["fc2", 2], ["attn", 1]]
+    assert "O1 fp16: skipped steps overflowed first in fc2 (2), attn (1)" in \
+        sweep_report.format_table([row])

@@ -53,3 +53,14 @@ def test_read_telemetry_keeps_the_first_optimizer_of_the_last_session(tmp_path: 
     init, steps = telemetry.read_telemetry(path)
     assert init == {"event": "init", "n": 2}
     assert [s["loss"] for s in steps] == [1.0]
+
+
+def test_step_records_carry_the_overflow_report_of_skipped_steps(tmp_path: Path) -> None:
+    writer = telemetry.Telemetry(str(tmp_path / "t.jsonl"))
+    writer.step(optimizer=0, step_time_s=0.1, loss=1.0, loss_scale=2.0, skipped=True,
+                device=None, overflow={"modules": [["fc2", 1]]})
+    writer.step(optimizer=0, step_time_s=0.1, loss=1.0, loss_scale=2.0, skipped=False,
+                device=None)
+    writer.close()
+    _, steps = telemetry.read_telemetry(tmp_path / "t.jsonl")
+    assert steps[0]["overflow"] == {"modules": [["fc2", 1]]} and "overflow" not in steps[1]
