@@ -71,8 +71,9 @@ def _curves(axes: dict[str, Any], rows: Sequence[Row], styles: dict[str, dict[st
                           **style)
     axes["loss"].set(title="loss", xlabel="step", ylabel="loss")
     axes["delta"].axhline(0.0, color="black", linewidth=0.8)
-    axes["delta"].set(title="loss minus O0's loss (0 = same as fp32)", xlabel="step",
+    axes["delta"].set(title="loss minus O0's loss (0 = same as fp32; symlog)", xlabel="step",
                       ylabel="difference")
+    _symlog(axes["delta"])
     axes["time"].set(title="step time", xlabel="step", ylabel="ms", yscale="log")
     if scales:
         axes["scale"].set(title="loss scale", xlabel="step", ylabel="scale", yscale="log")
@@ -81,6 +82,14 @@ def _curves(axes: dict[str, Any], rows: Sequence[Row], styles: dict[str, dict[st
             if axes[name].get_lines():
                 axes[name].legend(fontsize="small")
             axes[name].grid(alpha=0.3)
+
+
+def _symlog(ax: Any) -> None:
+    """A symmetric log scale, so that small differences are not flattened by one big one."""
+    values = [abs(v) for line in ax.get_lines() for v in line.get_ydata()
+              if isinstance(v, float) and math.isfinite(v) and v != 0.0]
+    if values:
+        ax.set_yscale("symlog", linthresh=max(max(values) * 1e-3, 1e-12))
 
 
 def _bars(axes: dict[str, Any], rows: Sequence[Row], styles: dict[str, dict[str, Any]],
@@ -94,11 +103,12 @@ def _bars(axes: dict[str, Any], rows: Sequence[Row], styles: dict[str, dict[str,
     bars = axes["speed"].bar(labels, speed, color=colors, hatch=hatches, edgecolor="black",
                              yerr=[low, high], capsize=4)
     for bar, row in zip(bars, rows):
-        if row.speedup:
+        if row.speedup:  # the value at the foot of its bar, clear of the IQR whiskers
             axes["speed"].annotate(f"{row.speedup:.2f}x" + ("?" if row.unreliable else ""),
-                                   (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                                   (bar.get_x() + bar.get_width() / 2, 0.0),
                                    ha="center", va="bottom", fontsize="small",
-                                   xytext=(0, 2), textcoords="offset points")
+                                   xytext=(0, 4), textcoords="offset points",
+                                   bbox={"boxstyle": "round", "fc": "white", "alpha": 0.85})
     axes["speed"].axhline(1.0, color="black", linewidth=0.8)
     axes["speed"].set(title="speed-up vs O0 (median step time, bars: IQR; hatched: unreliable)",
                       ylabel="x")
