@@ -180,7 +180,7 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
         try:
             action()
             proc.wait(timeout=5)
-        except (subprocess.TimeoutExpired, OSError):
+        except (subprocess.TimeoutExpired, OSError, ValueError):  # ValueError: no SIGINT (Windows)
             continue
 
 
