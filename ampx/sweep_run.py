@@ -103,8 +103,6 @@ class SweepSpec:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-
-
 def build_configs(levels: Sequence[str], dtypes: Sequence[str], *,
                   autocast: bool) -> list[SweepConfig]:
     """The configurations of a sweep: O0 once (float32), other levels once per dtype.
@@ -160,8 +158,6 @@ def child_env(extra: Mapping[str, str]) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
-
-
 
 
 def _last_error_line(text: str) -> str:
