@@ -67,3 +67,16 @@ def test_training_check_fails_when_the_overflow_step_is_not_skipped(
     monkeypatch.setattr(Amp, "step_was_skipped", lambda self, optimizer: False)
     check = selftest.training_check("cpu", "O2", "bf16")
     assert check.status == "FAIL" and "overflow step 10 was not skipped" in check.detail
+
+
+def test_selftest_json_lists_every_check(monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    monkeypatch.setattr(selftest, "devices", lambda: ["cpu"])
+    monkeypatch.setattr(selftest_kernels, "native_for", lambda device: (_reference, None))
+    assert cli.main(["selftest", "--json"]) == 0
+    checks = json.loads(capsys.readouterr().out)
+    assert [c["check"] for c in checks] == ["kernels", "train O1 fp16", "train O2 fp16",
+                                            "train O1 bf16", "train O2 bf16", "speed bf16"]
+    assert {c["status"] for c in checks} == {"pass", "info"}
