@@ -480,7 +480,7 @@ def test_sigint_to_a_sweep_process_writes_partial_results(tmp_path: Path) -> Non
     telemetry_file = out / "runs" / "O0.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (
-            telemetry_file.exists() and telemetry_file.read_text().count('"step"') >= 3):
+            telemetry_file.exists() and telemetry_file.read_text().count('"event": "step"') >= 3):
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
