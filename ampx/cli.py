@@ -20,10 +20,7 @@ from .runner import StepLimitReached, exit_code
 
 __all__ = ["StepLimitReached", "build_parser", "main"]
 
-_LEVELS = ("O0", "O1", "O2", "O3")
-_DTYPES = {"fp16": "fp16", "float16": "fp16", "half": "fp16",
-           "bf16": "bf16", "bfloat16": "bf16"}
-_DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16"}
+_DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16"}  # CLI spelling -> initialize's dtype
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,32 +37,51 @@ class _UsageError(Exception):
 
 # -- argument types ------------------------------------------------------------------------------
 
+# The choice lists, the "letter O" hint and the parsers are ampx.option_values' (shared with
+# `initialize` and compat/options.py); it imports torch, so it is imported only when a value is
+# parsed, never for --help.
+
+def _option_message(exc: Exception) -> str:
+    text = str(exc).splitlines()[0]
+    return text.split(": ", 1)[1] if text.startswith("ampx") and ": " in text else text
+
+
 def _opt_level(text: str) -> str:
-    if text in _LEVELS:
-        return text
+    from .option_values import LETTER_O_HINT, OPT_LEVELS, OptionError, parse_opt_level
+
+    try:
+        return parse_opt_level(text).value
+    except OptionError:
+        pass
     hint = ""
-    if text.upper() in _LEVELS:
+    if text.upper() in OPT_LEVELS:
         hint = f"; did you mean {text.upper()!r}?"
     elif text.startswith("0"):
-        hint = "; the prefix O is the letter O, not the number zero"
+        hint = f". {LETTER_O_HINT}"
     raise argparse.ArgumentTypeError(
-        f"unknown opt level {text!r}: choose from {', '.join(_LEVELS)}{hint}"
+        f"unknown opt level {text!r}: choose from {', '.join(OPT_LEVELS)}{hint}"
     )
 
 
 def _dtype(text: str) -> str:
+    from .option_values import DTYPE_CHOICES, OptionError, parse_dtype
+
     try:
-        return _DTYPES[text.lower()]
-    except KeyError:
+        name = str(parse_dtype(text)).replace("torch.", "")
+    except OptionError:
         raise argparse.ArgumentTypeError(
-            f"unknown dtype {text!r}: choose from fp16, bf16"
+            f"unknown dtype {text!r}: choose from {', '.join(DTYPE_CHOICES)}"
         ) from None
+    return next(short for short, full in _DTYPE_NAMES.items() if full == name)
 
 
 def _loss_scale(text: str) -> Any:
-    if text == "dynamic":
-        return "dynamic"
-    return _positive_float(text)
+    from .option_values import OptionError, parse_loss_scale
+
+    try:
+        return parse_loss_scale(text)
+    except OptionError as exc:
+        raise argparse.ArgumentTypeError(_option_message(exc)) from None
 
 
 def _positive_float(text: str) -> float:
@@ -220,8 +236,8 @@ def _add_sweep(subs: Any) -> None:
     sweep.add_argument("--example", choices=sorted(EXAMPLES),
                        help="built-in example to run when no script is given "
                             "(default: transformer)")
-    sweep.add_argument("--levels", type=_level_list, default=list(_LEVELS),
-                       metavar="L,L", help="opt levels (default: O0,O1,O2,O3)")
+    sweep.add_argument("--levels", type=_level_list, metavar="L,L",
+                       help="opt levels (default: all four, O0,O1,O2,O3)")
     sweep.add_argument("--dtypes", type=_dtype_list, metavar="D,D",
                        help="half dtypes (default: bf16 on CPU; fp16,bf16 on a GPU with bf16)")
     sweep.add_argument("--steps", type=_positive_int, metavar="N",
@@ -343,16 +359,11 @@ def _forced_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def _validate_forced(forced: dict[str, Any]) -> None:
     """Check the overrides against each other now, rather than inside the script."""
-    from .opt_levels import OptionError, resolve_properties
+    from .opt_levels import check_forced
+    from .option_values import OptionError
 
-    checked = {k: v for k, v in forced.items() if k != "enabled"}
-    if "opt_level" not in checked:
-        # Level-specific overrides can only be checked against the script's level.
-        for key in ("keep_batchnorm_fp32", "master_weights"):
-            checked.pop(key, None)
-        checked["opt_level"] = "O0"
     try:
-        resolve_properties(**checked)
+        check_forced(forced)
     except (OptionError, TypeError) as exc:
         raise _UsageError(str(exc).splitlines()[0]) from None
 

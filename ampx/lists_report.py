@@ -13,9 +13,6 @@ from .info import format_columns
 
 __all__ = ["UnknownPolicy", "policy_effect", "report"]
 
-_DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16"}
-
-
 class UnknownPolicy(ValueError):
     """`--policy` named no policy."""
 
@@ -64,8 +61,9 @@ def report(level: str, dtype: str, policy: Optional[str] = None, *, as_json: boo
     """
     from . import lists
     from .opt_levels import resolve_properties
+    from .option_values import parse_dtype
 
-    dtype_name = _DTYPE_NAMES[dtype]
+    dtype_name = str(parse_dtype(dtype)).replace("torch.", "")
     props = resolve_properties(level, dtype=dtype_name)
     policies = [p.value for p in lists.Policy]
     if policy is not None and policy not in policies:

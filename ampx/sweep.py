@@ -125,6 +125,7 @@ def _default_dtypes() -> list[str]:
 def spec_from_args(args: argparse.Namespace) -> SweepSpec:
     """The sweep that `ampx sweep` options describe (the script was checked by the parser)."""
     from .examples import EXAMPLES
+    from .option_values import OPT_LEVELS
 
     example = None
     if args.script is None:
@@ -138,7 +139,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         run_options.append("--force-apex-alias")  # the examples must run on ampx, not apex
     return SweepSpec(
         script=script.resolve(), script_args=list(args.script_args),
-        configs=build_configs(args.levels, dtypes,
+        configs=build_configs(args.levels or list(OPT_LEVELS), dtypes,
                               autocast=example is not None and not args.no_autocast),
         out=args.out,
         steps=args.steps if args.steps is not None else (

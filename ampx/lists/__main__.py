@@ -7,10 +7,9 @@ interactive view of the same tables).
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Optional
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -26,21 +25,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--opt-levels", action="store_true",
                         help="print the opt-level table page instead")
     args = parser.parse_args(argv)
-    from ampx import lists
+    from ampx import _docs, lists
 
-    sys.stdout.write(_opt_levels_markdown() if args.opt_levels else lists.markdown())
+    sys.stdout.write(_docs.opt_levels_markdown() if args.opt_levels else lists.markdown())
     return 0
-
-
-def _opt_levels_markdown() -> str:
-    """The opt-level page, from the docs generators' module (`ampx._docs`, issue 12) or, on a
-    tree that does not have it yet, from `ampx.opt_levels`."""
-    try:
-        generators: Any = importlib.import_module("ampx._docs")
-        return str(generators.opt_levels_markdown())
-    except ModuleNotFoundError:
-        legacy: Any = importlib.import_module("ampx.opt_levels")
-        return str(legacy.markdown())
 
 
 if __name__ == "__main__":
