@@ -20,12 +20,15 @@ import torch
 
 from .option_values import (
     HALF_DTYPES,
+    ON_OVERFLOW_CHOICES,
     LossScale,
     OptionError,
     OptLevel,
     UnknownOptionError,
     parse_bool,
+    parse_choice,
     parse_count,
+    parse_detect_overflow,
     parse_device_types,
     parse_dtype,
     parse_flag,
@@ -82,6 +85,10 @@ class Properties:
             dynamic scale, and with bf16 at O1-O3; never when disabled.
         allow_banned: Run banned functions (binary_cross_entropy) in float32 instead of raising.
         device_types: Device types whose tensors O1 casts (None: the models' devices).
+        on_overflow: What persisting overflows do: "skip" (apex's), "raise" or
+            "fp32-fallback" (see docs/debugging-overflows.md).
+        overflow_patience: Skipped steps before "raise" / "fp32-fallback" act.
+        detect_overflow: None, or "forward" (find the first module whose output is inf/NaN).
     """
 
     opt_level: OptLevel = OptLevel.O1
@@ -105,6 +112,9 @@ class Properties:
     skip_non_finite: bool | None = None
     allow_banned: bool = False
     device_types: frozenset[str] | None = None
+    on_overflow: str = "skip"
+    overflow_patience: int = 8
+    detect_overflow: str | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -358,13 +368,16 @@ def resolve_properties(opt_level: Any = DEFAULTS.opt_level.value, **overrides: A
                                     given.get("skip_non_finite")),
         allow_banned=parse_flag("allow_banned", options["allow_banned"]),
         device_types=parse_device_types(given.get("device_types")),
+        on_overflow=parse_choice("on_overflow", options["on_overflow"], ON_OVERFLOW_CHOICES),
+        overflow_patience=parse_count("overflow_patience", options["overflow_patience"]),
+        detect_overflow=parse_detect_overflow(given.get("detect_overflow")),
     )
 
 
 # -- options forced by `ampx run` ---------------------------------------------------------------
 
 FORCEABLE = ("opt_level", "dtype", "loss_scale", "keep_batchnorm_fp32", "master_weights",
-             "min_loss_scale", "max_loss_scale", "enabled")
+             "min_loss_scale", "max_loss_scale", "enabled", "detect_overflow")
 # Options that only make sense for one opt level: a forced level drops the script's values.
 _LEVEL_SPECIFIC = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
                    "master_weights")

@@ -13,7 +13,9 @@ from typing import Any, Union
 import torch
 
 __all__ = [
+    "DETECT_OVERFLOW_CHOICES",
     "DTYPE_CHOICES",
+    "ON_OVERFLOW_CHOICES",
     "LETTER_O_HINT",
     "OPT_LEVELS",
     "LossScale",
@@ -21,6 +23,8 @@ __all__ = [
     "OptionError",
     "UnknownOptionError",
     "parse_bool",
+    "parse_choice",
+    "parse_detect_overflow",
     "parse_device_types",
     "parse_dtype",
     "parse_flag",
@@ -63,6 +67,8 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
 }
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+ON_OVERFLOW_CHOICES: tuple[str, ...] = ("skip", "raise", "fp32-fallback")
+DETECT_OVERFLOW_CHOICES: tuple[str, ...] = ("forward",)  # or None: off
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the scalers keep float32 state
 INT32_MAX = 2**31 - 1  # and int32 counters
 
@@ -171,3 +177,18 @@ def parse_device_types(value: Any) -> frozenset[str] | None:
     if not names:
         raise OptionError(message)
     return frozenset(names)
+
+
+def parse_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """One of `choices` (the strings), or an `OptionError` naming the option and the choices."""
+    if isinstance(value, str) and value in choices:
+        return value
+    raise OptionError(f"ampx.initialize: {name}={value!r} is not one of "
+                      f"{', '.join(repr(c) for c in choices)}.")
+
+
+def parse_detect_overflow(value: Any) -> str | None:
+    """None/False/"none" (off) or "forward" (hooks that find the first inf/NaN output)."""
+    if value is None or value is False or value == "none":
+        return None
+    return parse_choice("detect_overflow", value, DETECT_OVERFLOW_CHOICES)
