@@ -370,12 +370,19 @@ def test_ctrl_c_stops_the_run_and_keeps_what_finished(tmp_path: Path) -> None:
                            configs=sweep.build_configs(["O0", "O1", "O2"], ["bf16"],
                                                        autocast=False))
 
+    timer = threading.Timer(1.0, _thread.interrupt_main)
+
     def progress(text: str) -> None:
         if text == "[2/3] O1 bf16: running":  # press Ctrl-C 1 s into the endless O1 run
-            threading.Timer(1.0, _thread.interrupt_main).start()
+            timer.start()
 
-    with pytest.raises(sweep.SweepInterrupted) as caught:
-        sweep.run_sweep(spec, progress=progress, launcher=_slow_launcher(fake))
+    try:
+        with pytest.raises(sweep.SweepInterrupted) as caught:
+            sweep.run_sweep(spec, progress=progress, launcher=_slow_launcher(fake))
+    finally:
+        timer.cancel()
+        if timer.is_alive():
+            timer.join()
     rows = caught.value.rows
     assert [(r.label, r.status) for r in rows] == [("O0", "ok"), ("O1 bf16", "interrupted")]
     assert rows[1].steps >= 1 and rows[1].returncode is None
