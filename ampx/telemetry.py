@@ -1,22 +1,31 @@
-"""Per-step telemetry as JSON lines, for `ampx run` and `ampx sweep`.
+"""Per-step telemetry as JSON lines: the writer (`ampx run`) and the reader (`ampx sweep`).
 
 Off unless the environment variable `AMPX_TELEMETRY` names a file; then each process appends
 records to it (a per-rank suffix is added for ranks other than 0). When off, the only cost is
-one attribute check per optimizer step. Record formats: docs/internals.md.
+one attribute check per optimizer step. Record formats: docs/internals.md. The module imports
+no torch and works where the `resource` module does not exist (Windows: peak memory is then
+recorded as null).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
-from typing import IO, Any
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Optional
 
-import torch
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None  # type: ignore[assignment]
 
-__all__ = ["ENV_VAR", "Telemetry", "sink"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ENV_VAR", "Tail", "Telemetry", "parse_records", "peak_memory_bytes", "read_telemetry",
+           "sink"]
 
 ENV_VAR = "AMPX_TELEMETRY"
 
@@ -45,18 +54,27 @@ class Telemetry:
         self._file.close()
 
     def step(self, *, optimizer: int, step_time_s: float, loss: float | None, loss_scale: float,
-             skipped: bool, device: torch.device | None) -> None:
-        """Write one `step` record."""
+             skipped: bool, device: torch.device | None,
+             overflow: dict[str, Any] | None = None) -> None:
+        """Write one `step` record (with the overflow report of a skipped step, when given)."""
         self._steps += 1
+        fields: dict[str, Any] = {"overflow": overflow} if overflow is not None else {}
         self.emit("step", step=self._steps, optimizer=optimizer, step_time_s=step_time_s,
                   loss=loss, loss_scale=loss_scale, skipped=skipped,
-                  peak_mem_bytes=peak_memory_bytes(device))
+                  peak_mem_bytes=peak_memory_bytes(device), **fields)
 
 
-def peak_memory_bytes(device: torch.device | None) -> int:
-    """CUDA: max allocated on `device`; elsewhere: the process's peak resident set size."""
+def peak_memory_bytes(device: torch.device | None) -> Optional[int]:
+    """CUDA: max allocated on `device`; elsewhere: the process's peak resident set size.
+
+    Returns None where neither is known (no `resource` module, as on Windows).
+    """
     if device is not None and device.type == "cuda":
+        import torch
+
         return int(torch.cuda.max_memory_allocated(device))
+    if resource is None:
+        return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
 
@@ -75,3 +93,76 @@ def sink() -> Telemetry | None:
         _SINK_PATH = path
         _SINK = Telemetry(path) if path else None
     return _SINK
+
+
+def parse_records(text: str) -> list[dict[str, Any]]:
+    """The JSON-object lines of `text`; lines that are not (a torn last line) are skipped."""
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def read_telemetry(path: Path) -> tuple[Optional[dict[str, Any]], list[dict[str, Any]]]:
+    """Read a telemetry file (rank 0's; other ranks write `path.N`).
+
+    Args:
+        path: The JSONL file.
+
+    Returns:
+        The last `init` record (or None) and the `step` records of the first optimizer that
+        follow it. Lines that are not valid JSON (a run killed mid-write) are ignored.
+    """
+    if not path.exists():
+        return None, []
+    init: Optional[dict[str, Any]] = None
+    steps: list[dict[str, Any]] = []
+    for record in parse_records(path.read_text(encoding="utf-8")):
+        if record.get("event") == "init":
+            init, steps = record, []  # a second initialize starts a new series
+        elif record.get("event") == "step":
+            steps.append(record)
+    if steps:
+        first = min(int(r.get("optimizer", 0) or 0) for r in steps)
+        steps = [r for r in steps if int(r.get("optimizer", 0) or 0) == first]
+    return init, steps
+
+
+class Tail:
+    """Follows a telemetry file while it is written: counts the step records."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.steps = 0
+        self.last_step_s: Optional[float] = None
+        self._optimizer: Optional[int] = None
+
+    def poll(self) -> bool:
+        """Read what was appended; True when new step records arrived."""
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                chunk = handle.read()
+        except OSError:
+            return False
+        end = chunk.rfind(b"\n") + 1  # only complete lines
+        self.offset += end
+        before = self.steps
+        for record in parse_records(chunk[:end].decode("utf-8", "replace")):
+            if record.get("event") == "init":
+                self.steps, self._optimizer = 0, None
+            elif record.get("event") == "step":
+                optimizer = int(record.get("optimizer", 0) or 0)
+                if self._optimizer is None:
+                    self._optimizer = optimizer
+                if optimizer == self._optimizer:
+                    self.steps += 1
+                    value = record.get("step_time_s")
+                    self.last_step_s = float(value) if isinstance(value, (int, float)) else None
+        return self.steps != before

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import ampx
 from ampx import cli, frontend
@@ -40,7 +41,7 @@ def _records(path: Path) -> list[dict]:
     (["run", "-O", "O4", "x.py"], "unknown opt level 'O4'"),
     (["run", "-O", "01", "x.py"], "letter O, not the number zero"),
     (["run", "--dtype", "fp8", "x.py"], "unknown dtype 'fp8'"),
-    (["run", "--loss-scale", "-3", "x.py"], "must be a finite number > 0"),
+    (["run", "--loss-scale", "-3", "x.py"], "must be a positive finite number"),
     (["run", "-O", "O2", "missing_script.py"], "script not found: missing_script.py"),
     (["run", "-O", "O1", "--keep-batchnorm-fp32", "x.py"], "keep_batchnorm_fp32 should be None"),
     (["run", "--min-loss-scale", "8", "--max-loss-scale", "4", "x.py"], "min_loss_scale"),
@@ -62,13 +63,46 @@ def test_argument_errors_exit_2_with_one_line(argv: list[str], fragment: str,
     assert fragment in err
 
 
-@pytest.mark.parametrize("command", ["run", "sweep", "info", "lists", "build-ext"])
+@pytest.mark.parametrize("command", ["run", "sweep", "selftest", "info", "lists", "build-ext"])
 def test_every_subcommand_help_has_an_example(command: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([command, "--help"]) == 0
     out = capsys.readouterr().out
     assert "example" in out
     assert f"ampx {command}" in out
+
+
+HELP_PROBE = textwrap.dedent("""
+    import sys
+
+    from ampx import cli
+
+    for argv in (["--help"], ["run", "--help"], ["sweep", "--help"], ["selftest", "--help"],
+                 ["--version"]):
+        assert cli.main(argv) == 0
+    print("TORCH", sorted(name for name in sys.modules if name.split(".")[0] == "torch")[:3])
+""")
+
+
+def test_help_imports_no_torch(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", HELP_PROBE], cwd=tmp_path,
+                          env=_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    # the package, the parser, the dispatch and every --help import no torch (fast help)
+    assert proc.stdout.splitlines()[-1] == "TORCH []"
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ampx", "--help"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: ampx")
+    assert " torch" not in proc.stderr  # -X importtime lists every module imported
+
+
+def test_python_dash_m_ampx_lists_help_is_help(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "ampx.lists", "--help"], cwd=tmp_path,
+                          env=_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m ampx.lists") and "--opt-levels" in proc.stdout
+    assert "# O1 cast lists" not in proc.stdout
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -288,11 +322,19 @@ def test_info_reports_versions_devices_and_kernels(capsys: pytest.CaptureFixture
     assert "backend" in info["kernels"]
 
 
-def test_cpu_support_detection() -> None:
-    assert cli._cpu_support({"amx_bf16", "avx512_bf16"})["bf16"] == "native (AMX-BF16)"
-    assert cli._cpu_support({"avx512_bf16"})["bf16"] == "native (AVX512-BF16)"
-    assert cli._cpu_support({"avx2"})["bf16"].startswith("emulated")
-    assert cli._cpu_support({"avx512_fp16"})["fp16"] == "native (AVX512-FP16)"
+def test_cpu_support_detection(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ampx import info
+
+    assert info.cpu_support({"amx_tile": True, "avx512_bf16": True})["bf16"] == \
+        "native (AMX-BF16)"
+    assert info.cpu_support({"avx512_bf16": True})["bf16"] == "native (AVX512-BF16)"
+    assert info.cpu_support({"avx2": True, "avx512_bf16": False})["bf16"].startswith("emulated")
+    assert info.cpu_support({"amx_fp16": True})["fp16"] == "native (AMX-FP16)"
+    # the features are torch's own probes, not /proc/cpuinfo
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    features = info.cpu_features()
+    assert features["avx512_bf16"] is True and features["amx_tile"] is False
 
 
 def test_lists_o1_shows_what_each_function_does(capsys: pytest.CaptureFixture[str]) -> None:
@@ -345,3 +387,16 @@ def test_info_and_lists_as_processes(tmp_path: Path) -> None:
     proc = _ampx("run", "-O", "O7", "x.py", cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.startswith("ampx: error: ") and proc.stderr.count("\n") == 1
+
+
+def test_ctrl_c_in_any_subcommand_exits_130_without_a_traceback(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from ampx import info
+
+    def interrupted() -> dict:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(info, "collect_info", interrupted)
+    assert cli.main(["info"]) == 130
+    err = capsys.readouterr().err
+    assert err == "ampx info: interrupted\n"

@@ -83,7 +83,7 @@ def synthetic_batches(batch: int, count: int, seed: int, device: torch.device,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The script's command line."""
-    from ampx.examples import example_parser
+    from ampx.examples.common import example_parser
 
     parser = example_parser(__doc__, steps=60, batch_size=64, lr=0.05)
     parser.add_argument("--width", type=int, default=32)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     data = synthetic_batches(args.batch_size, 64, args.seed + 1, device)
 
     if args.autocast:
-        from ampx.examples import train_autocast
+        from ampx.examples.common import train_autocast
 
         train_autocast(model, optimizer, data, args, convnet_loss)
         return

@@ -91,7 +91,7 @@ def markov_batches(vocab: int, seq_len: int, batch: int, count: int, seed: int,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The script's command line."""
-    from ampx.examples import example_parser
+    from ampx.examples.common import example_parser
 
     parser = example_parser(__doc__, steps=40, batch_size=8, lr=1e-3)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     data = markov_batches(args.vocab, args.seq_len, args.batch_size, 64, args.seed + 1, device)
 
     if args.autocast:
-        from ampx.examples import train_autocast
+        from ampx.examples.common import train_autocast
 
         train_autocast(model, optimizer, data, args, lm_loss)
         return
