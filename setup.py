@@ -65,6 +65,8 @@ def _extension_kwargs() -> dict[str, Any]:
         """A failed compile still installs (pure torch), unless AMPX_BUILD_EXT=require."""
 
         def build_extension(self, ext: Any) -> None:
+            print(f"ampx: compiling {ext.name} from {len(ext.sources)} sources (about a minute "
+                  "on 2 cores; `pip install -v` shows each step)", file=sys.stderr, flush=True)
             try:
                 super().build_extension(ext)
             except Exception as exc:
@@ -75,8 +77,6 @@ def _extension_kwargs() -> dict[str, Any]:
                     "kernels are used; `ampx info` reports this). Error: %s", ext.name, exc
                 )
 
-    print(f"ampx: compiling ampx._C from {len(sources)} sources (about a minute on 2 cores; "
-          "ninja prints each step)", file=sys.stderr, flush=True)
     ext = factory(
         "ampx._C",
         sources,

@@ -181,3 +181,19 @@ def test_cuda_kernels_compile_with_nvcc(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "k.o").stat().st_size > 0
+
+
+def test_ninja_comes_from_the_native_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ninja = pytest.importorskip("ninja")
+    monkeypatch.setenv("PATH", str(tmp_path))  # a venv used without activating it
+    with _build._ninja_on_path():
+        assert Path(shutil.which("ninja") or "").parent == Path(ninja.BIN_DIR)
+    assert os.environ["PATH"] == str(tmp_path)
+
+    monkeypatch.setitem(sys.modules, "ninja", None)  # not installed
+    with pytest.raises(RuntimeError, match=r"ninja is missing.*pip install 'ampx\[native\]'"):
+        with _build._ninja_on_path():
+            pass
+    assert os.environ["PATH"] == str(tmp_path)
