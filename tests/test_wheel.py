@@ -7,7 +7,7 @@ a fresh virtual environment that cannot see the checkout, then run `ampx build-e
 this interpreter's site-packages (torch) through a .pth file placed after its own, so the
 installed wheel, not the checkout or an editable install, is what gets imported.
 
-It compiles the extension from scratch (about 30 s on 2 idle cores, 5 minutes at load
+It compiles the extension from scratch (about 30 s on 2 idle cores, over 5 minutes at load
 average 12), so it runs once: in the native half of the test command, not under
 AMPX_DISABLE_EXT=1.
 """
