@@ -2,13 +2,18 @@
 
 All metadata lives in pyproject.toml; this file only adds ``ext_modules`` when asked:
 
-    AMPX_BUILD_EXT=1 pip install --no-build-isolation .      # try; fall back to pure torch
-    AMPX_BUILD_EXT=require pip install --no-build-isolation .  # fail if it does not compile
+    AMPX_BUILD_EXT=1 pip install -v --no-build-isolation .      # try; fall back to pure torch
+    AMPX_BUILD_EXT=require pip install -v --no-build-isolation .  # fail if it does not compile
 
 ``--no-build-isolation`` makes the build see the installed torch, which the extension
-must match. Without AMPX_BUILD_EXT this is a pure-Python install and torch is not
-imported. The compiler flags come from ampx/_build.py (loaded by path, so the ampx
-package itself is not imported); the JIT route is ``ampx build-ext``.
+must match; ``-v`` lets pip show the compiler's progress (pip hides a build's output
+otherwise). Without AMPX_BUILD_EXT this is a pure-Python install and torch is not
+imported. The sources are ``ampx/csrc`` and the compiler flags come from ampx/_build.py
+(loaded by path, so the ampx package itself is not imported); the JIT route is
+``ampx build-ext``.
+
+There is no setup.cfg: pyproject.toml holds all metadata and tool configuration, and the
+one thing it cannot express, the optional extension, is this file's only job.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +50,7 @@ def _extension_kwargs() -> dict[str, Any]:
     cap = build.cpu_capability()
     cuda = build.cuda_wanted()
     cflags, cuda_cflags, ldflags = build.build_flags(cap, cuda)
-    csrc = ROOT / "csrc"
+    csrc = ROOT / "ampx" / "csrc"
     sources = [str(p.relative_to(ROOT)) for p in build.source_files(csrc) if p.suffix == ".cpp"]
     extra_compile_args: dict[str, list[str]] = {"cxx": cflags}
     factory = CppExtension
@@ -59,6 +65,8 @@ def _extension_kwargs() -> dict[str, Any]:
         """A failed compile still installs (pure torch), unless AMPX_BUILD_EXT=require."""
 
         def build_extension(self, ext: Any) -> None:
+            print(f"ampx: compiling {ext.name} from {len(ext.sources)} sources (about a minute "
+                  "on 2 cores; `pip install -v` shows each step)", file=sys.stderr, flush=True)
             try:
                 super().build_extension(ext)
             except Exception as exc:

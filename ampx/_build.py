@@ -1,4 +1,4 @@
-"""Build ``csrc/`` into a versioned cache with ``torch.utils.cpp_extension``.
+"""Build ``ampx/csrc/`` into a versioned cache with ``torch.utils.cpp_extension``.
 
 ``ampx build-ext`` calls :func:`build`; :mod:`ampx._ext` calls :func:`find_built` to
 load what an earlier build left in the cache. Nothing here runs at ``import ampx``:
@@ -7,7 +7,8 @@ importing this module is cheap (``torch.utils.cpp_extension`` is imported inside
 
 The cache key is the torch version, the Python version, the CPU instruction set the
 kernels are compiled for, whether CUDA kernels are included, and a hash of the
-sources, so a torch upgrade or an edit to ``csrc/`` never loads a stale binary.
+sources, so a torch upgrade or an edit to ``ampx/csrc/`` never loads a stale binary. The
+sources ship inside the package (package data), so a wheel install builds too.
 
 This module uses no relative imports so that ``setup.py`` can load it by path
 (for the ahead-of-time route) without importing the ``ampx`` package.
@@ -18,9 +19,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import sys
 import sysconfig
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 __all__ = [
@@ -30,9 +36,14 @@ __all__ = [
     "cpu_capability",
     "cuda_wanted",
     "find_built",
+    "find_compiler",
+    "missing_compiler",
     "source_dir",
     "source_files",
 ]
+
+#: Receives one line of build progress (``ampx build-ext`` prints it to stderr).
+Progress = Callable[[str], None]
 
 _log = logging.getLogger("ampx")
 
@@ -43,15 +54,9 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def source_dir() -> Path | None:
-    """Return the directory holding the C++/CUDA sources, or None if none ships.
-
-    The repository's ``csrc/`` (editable installs and source checkouts) comes first,
-    then ``ampx/csrc`` (where a wheel may ship them).
-    """
-    for candidate in (_PACKAGE_DIR.parent / "csrc", _PACKAGE_DIR / "csrc"):
-        if (candidate / "ampx.cpp").is_file():
-            return candidate
-    return None
+    """Return ``ampx/csrc``, the C++/CUDA sources shipped in the package, or None if absent."""
+    candidate = _PACKAGE_DIR / "csrc"
+    return candidate if (candidate / "ampx.cpp").is_file() else None
 
 
 def source_files(src: Path) -> list[Path]:
@@ -119,6 +124,76 @@ def cuda_wanted() -> bool:
     import torch
 
     return torch.version.cuda is not None and _nvcc() is not None
+
+
+def find_compiler() -> tuple[str, str | None]:
+    """Return ``(command, path)`` of the C++ compiler torch will call; path is None if missing.
+
+    torch's builder runs ``$CXX`` (default ``c++``; ``cl`` on Windows).
+    """
+    command = os.environ.get("CXX") or ("cl" if sys.platform == "win32" else "c++")
+    try:
+        program = shlex.split(command)[0]
+    except (ValueError, IndexError):
+        return command, None
+    return command, shutil.which(program)
+
+
+def missing_compiler() -> str | None:
+    """Return why no C++ compiler can be run (naming it), or None when one is found."""
+    command, path = find_compiler()
+    if path is not None:
+        return None
+    where = "CXX=" + repr(command) if os.environ.get("CXX") else repr(command)
+    return f"no C++ compiler: {where} is not found (install g++ or clang++, or set CXX)"
+
+
+@contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """Put the ``ninja`` of the ``ninja`` package on PATH if PATH has none (venv not active)."""
+    old = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError as exc:
+            raise RuntimeError(
+                "ampx build-ext: ninja is missing; install the build's needs with "
+                "`pip install 'ampx[native]'` (or `pip install ninja`)"
+            ) from exc
+        os.environ["PATH"] = os.pathsep.join([str(ninja.BIN_DIR), old])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
+@contextmanager
+def _heartbeat(
+    out: Path, objects: int, progress: Progress | None, interval: float = 5.0
+) -> Iterator[None]:
+    """Report elapsed time and compiled objects every ``interval`` seconds while compiling.
+
+    The compiler's own output is hidden unless ``--verbose``; this keeps a long build from
+    looking stuck. Objects are counted as the ``.o`` files ninja writes into ``out``.
+    """
+    if progress is None:
+        yield
+        return
+    start = time.time()
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(interval):
+            done = sum(1 for p in out.glob("*.o") if p.stat().st_mtime >= start - 1)
+            progress(f"  ... {time.time() - start:.0f} s, {done} of {objects} objects compiled")
+
+    thread = threading.Thread(target=beat, name="ampx-build-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _key(src: Path, cap: str, cuda: bool) -> str:
@@ -193,11 +268,9 @@ def find_built(src: Path | None = None) -> Path | None:
     variants = [True, False] if torch.version.cuda is not None else [False]
     for cuda in variants:
         key = _key(src, cap, cuda)
-        name = _module_name(key)
-        for suffix in (".so", _ext_suffix(), ".pyd"):
-            path = cache_dir() / key / f"{name}{suffix}"
-            if path.is_file():
-                return path
+        path = _library(cache_dir() / key, _module_name(key))
+        if path is not None:
+            return path
     return None
 
 
@@ -214,47 +287,73 @@ def last_build_error(src: Path | None = None) -> str | None:
     return None
 
 
-def _compile(src: Path, cap: str, cuda: bool, verbose: bool) -> Path:
+def _library(directory: Path, name: str) -> Path | None:
+    for suffix in (".so", _ext_suffix(), ".pyd"):
+        path = directory / f"{name}{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+def _publish(built: Path, out: Path) -> Path:
+    """Copy the built library into ``out`` atomically and return its path there.
+
+    Builds run in ``out/build``; readers (:func:`find_built`, other processes sharing the
+    cache) only ever see a complete file, never one the linker is still writing, and a
+    process that has the old file loaded keeps its copy (a rename, not an overwrite).
+    """
+    target = out / built.name
+    partial = out / f".{built.name}.{os.getpid()}.partial"
+    shutil.copy2(built, partial)
+    os.replace(partial, target)
+    return target
+
+
+def _compile(src: Path, cap: str, cuda: bool, verbose: bool, progress: Progress | None) -> Path:
     key = _key(src, cap, cuda)
     name = _module_name(key)
     out = cache_dir() / key
-    out.mkdir(parents=True, exist_ok=True)
+    work = out / "build"  # ninja's files and objects; torch's own lock serialises builders
+    work.mkdir(parents=True, exist_ok=True)
     error_file = out / BUILD_ERROR_FILE
-    sources = [str(p) for p in source_files(src) if p.suffix == ".cpp"]
-    if cuda:
-        sources += [str(p) for p in source_files(src) if p.suffix == ".cu"]
+    suffixes = (".cpp", ".cu") if cuda else (".cpp",)
+    sources = [p for p in source_files(src) if p.suffix in suffixes]
     cflags, cuda_cflags, ldflags = build_flags(cap, cuda)
     _log.info("ampx: building %s (%s) in %s", name, key, out)
+    if progress is not None:
+        kind = "CPU and CUDA" if cuda else "CPU"
+        progress(f"ampx build-ext: compiling {', '.join(p.name for p in sources)} ({kind} "
+                 f"kernels, {cap}) in {work}")
+    start = time.time()
 
     from torch.utils import cpp_extension
 
     try:
-        cpp_extension.load(
-            name=name,
-            sources=sources,
-            extra_cflags=cflags,
-            extra_cuda_cflags=cuda_cflags,
-            extra_ldflags=ldflags,
-            extra_include_paths=[str(src)],
-            build_directory=str(out),
-            with_cuda=cuda,
-            verbose=verbose,
-            is_python_module=True,
-        )
+        with _heartbeat(work, len(sources), None if verbose else progress):
+            cpp_extension.load(
+                name=name, sources=[str(p) for p in sources], extra_cflags=cflags,
+                extra_cuda_cflags=cuda_cflags, extra_ldflags=ldflags,
+                extra_include_paths=[str(src)], build_directory=str(work), with_cuda=cuda,
+                verbose=verbose, is_python_module=True,
+            )
     except Exception as exc:  # compiler errors arrive as RuntimeError, others vary
         message = str(exc).strip() or type(exc).__name__
         error_file.write_text(message + "\n")
         raise RuntimeError(f"ampx build-ext failed ({key}):\n{message}") from exc
     error_file.unlink(missing_ok=True)
-    for suffix in (".so", _ext_suffix(), ".pyd"):
-        path = out / f"{name}{suffix}"
-        if path.is_file():
-            return path
-    raise RuntimeError(f"ampx build-ext: the compiler succeeded but no {name} library is in {out}")
+    built = _library(work, name)
+    if built is None:
+        raise RuntimeError(f"ampx build-ext: the compiler succeeded but no {name} library "
+                           f"is in {work}")
+    if progress is not None:
+        progress(f"ampx build-ext: compiled and loaded in {time.time() - start:.0f} s")
+    return _publish(built, out)
 
 
-def build(verbose: bool = False, *, src: Path | None = None) -> Path:
-    """Compile ``csrc/`` against the installed torch and return the built module's path.
+def build(
+    verbose: bool = False, *, src: Path | None = None, progress: Progress | None = None
+) -> Path:
+    """Compile ``ampx/csrc/`` against the installed torch and return the built module's path.
 
     A cached build for the same key is reused (ninja rebuilds nothing). CUDA kernels
     are included when :func:`cuda_wanted` is true; if that build fails, the CPU-only
@@ -263,24 +362,33 @@ def build(verbose: bool = False, *, src: Path | None = None) -> Path:
     Args:
         verbose: Show the compiler command lines and output.
         src: Source directory; defaults to :func:`source_dir`.
+        progress: Called with a line when compiling starts, every few seconds while it
+            runs (unless ``verbose``: then the compiler's output shows progress), and
+            when it is done.
 
     Returns:
         Path of the shared library, loadable by :mod:`ampx._ext`.
 
     Raises:
-        RuntimeError: The sources are missing or the compiler failed; the message
-            holds the compiler's output, which is also saved for ``ampx info``.
+        RuntimeError: The sources, the compiler or ninja are missing, or the compiler
+            failed; the message says which (and holds the compiler's output, which is
+            also saved for ``ampx info``).
     """
     src = src or source_dir()
     if src is None:
         raise RuntimeError(
-            "ampx build-ext: no C++ sources found (looked for csrc/ next to the ampx "
-            "package and for ampx/csrc); build from a source checkout or an sdist"
+            f"ampx build-ext: no C++ sources in {_PACKAGE_DIR / 'csrc'}; this ampx install "
+            "is incomplete, reinstall it"
         )
+    missing = missing_compiler()
+    if missing is not None:
+        raise RuntimeError(f"ampx build-ext: {missing}; ampx keeps using its pure-torch kernels")
     cap = cpu_capability()
-    if cuda_wanted():
-        try:
-            return _compile(src, cap, True, verbose)
-        except RuntimeError as exc:
-            _log.warning("ampx: the CUDA build failed; building the CPU kernels only: %s", exc)
-    return _compile(src, cap, False, verbose)
+    with _ninja_on_path():
+        if cuda_wanted():
+            try:
+                return _compile(src, cap, True, verbose, progress)
+            except RuntimeError as exc:
+                _log.warning("ampx: the CUDA build failed; building the CPU kernels only: %s",
+                             exc)
+        return _compile(src, cap, False, verbose, progress)

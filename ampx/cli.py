@@ -172,11 +172,13 @@ examples:
 """
 
 _BUILD_EPILOG = """\
-Compiles ampx's native kernels (csrc/) against the installed torch into a cache; later imports
-load them. Without them ampx uses its pure-torch kernels.
+Compiles ampx's native kernels (ampx/csrc) against the installed torch into a cache; later
+imports load them. Needs a C++ compiler ($CXX, default c++) and ninja (pip install
+'ampx[native]'). Without them ampx uses its pure-torch kernels.
 
-example:
+examples:
   ampx build-ext --verbose
+  ampx build-ext --skip-without-compiler    # exit 0 with a note where no compiler exists
 """
 
 
@@ -294,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     build = _subparser(subs, "build-ext", "Compile ampx's native kernels.", _BUILD_EPILOG)
     build.add_argument("-v", "--verbose", action="store_true", help="show the compiler output")
+    build.add_argument("--skip-without-compiler", action="store_true",
+                       help="exit 0 with a note instead of failing when no C++ compiler exists")
     return parser
 
 
@@ -425,8 +429,14 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
 def _cmd_build_ext(args: argparse.Namespace) -> int:
     from . import _build
 
+    missing = _build.missing_compiler()
+    if missing is not None and args.skip_without_compiler:
+        print(f"ampx build-ext: SKIPPED, {missing}; the native kernels are not built and ampx "
+              "uses its pure-torch kernels", file=sys.stderr)
+        return 0
     try:
-        path = _build.build(verbose=args.verbose)
+        path = _build.build(verbose=args.verbose,
+                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"ampx: build failed: {first}", file=sys.stderr)

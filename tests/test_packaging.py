@@ -1,0 +1,123 @@
+"""Packaging metadata, the README's install path, and the test command CI runs.
+
+The wheel itself (built, installed in a fresh environment, native build, O2 loop) is
+tests/test_wheel.py; here are the cheap checks, plus the README test command run end to end
+(with a stand-in test suite) on a machine whose compiler is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import ampx
+from ampx import _version
+
+ROOT = Path(__file__).resolve().parents[1]
+tomllib = pytest.importorskip("tomllib")
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _readme_test_command() -> str:
+    """The last line of the README's "Run the tests" code block."""
+    section = (ROOT / "README.md").read_text().split("## Run the tests", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return block.strip().splitlines()[-1]
+
+
+def test_one_version_source() -> None:
+    project = _pyproject()
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    attr = project["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    assert attr == "ampx._version.__version__"
+    assert ampx.__version__ == _version.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+", _version.__version__)
+
+
+def test_license_is_an_spdx_expression_with_its_file() -> None:
+    project = _pyproject()["project"]
+    assert project["license"] == "BSD-3-Clause"  # PEP 639 string, not the deprecated table
+    assert project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("BSD 3-Clause License") and "ampx developers" in text
+    # PEP 639: a license expression replaces License :: classifiers (setuptools rejects both)
+    assert not [c for c in project["classifiers"] if c.startswith("License ::")]
+    assert "Typing :: Typed" in project["classifiers"]
+
+
+def test_build_needs_are_the_native_extra() -> None:
+    project = _pyproject()
+    extras = project["project"]["optional-dependencies"]
+    assert extras["native"] == ["ninja"]
+    assert any(req.startswith("ampx[") and "native" in req for req in extras["test"])
+    assert project["build-system"]["requires"] == ["setuptools>=77"]
+    data = project["tool"]["setuptools"]["package-data"]["ampx"]
+    assert {"csrc/*.cpp", "csrc/*.cu", "csrc/*.h"} <= set(data)
+
+
+def test_readme_picks_torch_before_the_commands() -> None:
+    readme = (ROOT / "README.md").read_text()
+    first_command = readme.index("```bash")
+    assert readme.index("download.pytorch.org/whl/cpu") < first_command
+    assert readme.index("CUDA build") < first_command
+    tests = readme.split("## Run the tests", 1)[1]
+    assert tests.index("C++ compiler") < tests.index("```bash")
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    command = _readme_test_command()
+    assert command.startswith("ampx build-ext --skip-without-compiler && ")
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci_lines[-1] == command
+    assert ci_lines.count(command) == 1
+
+
+PROBE = textwrap.dedent("""
+    import os
+
+    from ampx import _ext
+
+
+    def test_probe():
+        with open(os.environ["PROBE_LOG"], "a") as log:
+            log.write(f"{os.environ.get('AMPX_DISABLE_EXT', '-')} {_ext.BACKEND}\\n")
+""")
+
+
+@pytest.mark.slow
+def test_readme_test_command_survives_a_missing_compiler(tmp_path: Path) -> None:
+    """CXX points at nothing: one SKIPPED line, then both pytest runs, exit status 0.
+
+    The command runs verbatim in bash; `python` and `ampx` are this interpreter and this
+    checkout, and the suite it runs is a one-test stand-in that records which kernels it saw.
+    """
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, args in (("python", ""), ("ampx", " -m ampx")):
+        shim = bindir / name  # a script, not a symlink: a venv's python must stay in its venv
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}"{args} "$@"\n')
+        shim.chmod(0o755)
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "test_probe.py").write_text(PROBE)
+    log = tmp_path / "probe.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AMPX_", "PYTEST_"))}
+    env.update(PATH=os.pathsep.join([str(bindir), env.get("PATH", "")]), PROBE_LOG=str(log),
+               CXX=str(tmp_path / "no-such-compiler"), AMPX_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    proc = subprocess.run(["bash", "-c", _readme_test_command()], cwd=suite, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("ampx build-ext: SKIPPED, no C++ compiler: CXX=")
+    assert str(tmp_path / "no-such-compiler") in proc.stderr.splitlines()[0]
+    assert log.read_text().splitlines() == ["- reference", "1 reference"]
+    assert not (tmp_path / "cache").exists()
