@@ -10,6 +10,7 @@ every companion under `ampx run`.
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import io
 import math
@@ -936,13 +937,20 @@ def test_larc_with_ampx_initialize_and_a_scheduler() -> None:
 
 # -- apex.parallel: DistributedDataParallel, SyncBatchNorm (single-process gloo group) ------------
 
-@pytest.fixture
-def gloo(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
+@pytest.fixture(scope="module")
+def gloo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One single-rank gloo group for the module's DDP/SyncBatchNorm tests.
+
+    Created once: DDP reducers that outlive their process group (freed later by the garbage
+    collector) made gloo's worker threads abort the whole test process now and then, so the
+    group lives until every such object is collected.
+    """
+    store = tmp_path_factory.mktemp("gloo") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
         yield
     finally:
+        gc.collect()  # DDP reducers go while their group is still alive
         dist.destroy_process_group()
 
 

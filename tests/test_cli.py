@@ -375,11 +375,11 @@ def test_build_ext_reports_success_and_failure(monkeypatch: pytest.MonkeyPatch, 
     from ampx import _build
 
     built = tmp_path / "ampx_C.so"
-    monkeypatch.setattr(_build, "build", lambda verbose=False: built)
+    monkeypatch.setattr(_build, "build", lambda verbose=False, progress=None: built)
     assert cli.main(["build-ext"]) == 0
     assert str(built) in capsys.readouterr().out
 
-    def fail(verbose: bool = False) -> Path:
+    def fail(verbose: bool = False, progress: object = None) -> Path:
         raise RuntimeError("no compiler found\nlong log ...")
 
     monkeypatch.setattr(_build, "build", fail)

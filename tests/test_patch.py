@@ -391,6 +391,11 @@ def _count_wrappers() -> int:
                if type(o) is function and "__ampx_policy__" in o.__dict__)
 
 
+def _object_count() -> int:
+    gc.collect()
+    return len(gc.get_objects())
+
+
 def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -414,7 +419,7 @@ def test_thousand_initialize_restore_cycles_do_not_leak() -> None:
 
     for _ in range(20):  # warm every lazy cache of torch and ampx
         cycle()
-    wrappers, rss = _count_wrappers(), _rss_bytes()
+    wrappers, objects, rss = _count_wrappers(), _object_count(), _rss_bytes()
     gc.disable()  # the collector's timing is not under test; leaks are
     try:
         for i in range(1000):
@@ -424,7 +429,11 @@ def test_thousand_initialize_restore_cycles_do_not_leak() -> None:
     finally:
         gc.enable()
     assert _count_wrappers() == wrappers
-    assert _rss_bytes() - rss < 8 * 2**20
+    # Python objects are the exact measure (a leak of one per cycle shows as 1000); RSS only
+    # guards against a gross native leak, since allocator fragmentation and torch's own lazy
+    # state after earlier tests (compiled frames dropped by torch.compiler.reset) move it.
+    assert _object_count() - objects < 500
+    assert _rss_bytes() - rss < 32 * 2**20
 
 
 # -- registration validation and undo; wrappers after their session ------------------------
