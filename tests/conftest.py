@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import torch
@@ -21,9 +22,51 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
+_MISSING = object()
+_CACHES = {"__slotnames__"}  # copyreg caches it on the class at the first pickle
+
+# Importing dynamo replaces torch.manual_seed (it wraps it once per process): do it before any
+# snapshot so the pristine check below sees only what tests and ampx change.
+import torch._dynamo  # noqa: E402,F401
+
+
 def _namespaces() -> tuple[dict, ...]:
     return (dict(vars(torch)), dict(vars(torch.Tensor)), dict(vars(torch.nn.functional)),
             dict(vars(torch._VF)))
+
+
+def _global_torch_state() -> dict[str, object]:
+    return {
+        "default dtype": torch.get_default_dtype(),
+        "grad enabled": torch.is_grad_enabled(),
+        "cpu autocast": torch.is_autocast_enabled("cpu"),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _pristine_torch():
+    """Fail any test after which torch is not exactly as it was (after ampx.restore()).
+
+    Runs outside `_clean_ampx_state` (autouse fixtures set up in definition order and tear down
+    in reverse), so it sees torch after the session was restored: an attribute that restore
+    did not put back, or one a test replaced and never undid, fails the test that left it.
+    """
+    before = _namespaces()
+    state = _global_torch_state()
+    yield
+    ampx.restore()
+    after = _namespaces()
+    names = ("torch", "torch.Tensor", "torch.nn.functional", "torch._VF")
+    changed = [
+        f"{ns}.{key}"
+        for ns, old, new in zip(names, before, after)
+        for key in sorted(set(old) | set(new))
+        if old.get(key, _MISSING) is not new.get(key, _MISSING)
+        and key not in _CACHES
+        and not (key not in old and isinstance(new[key], types.ModuleType))  # lazy submodule
+    ]
+    assert not changed, f"test left torch changed: {changed[:10]}"
+    assert _global_torch_state() == state, "test left torch's global state changed"
 
 
 @pytest.fixture(autouse=True)
