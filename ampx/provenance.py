@@ -49,8 +49,9 @@ def classify_nonfinite(tensors: Sequence[torch.Tensor | None]) -> list[tuple[boo
     for i, t in present:
         by_device.setdefault(t.device, []).append((i, t))
     for items in by_device.values():
-        stats = torch.stack([torch.stack((torch.isinf(t).any(), torch.isnan(t).any()))
-                             for _, t in items])
+        values = [t._values() if t.is_sparse else t for _, t in items]
+        stats = torch.stack([torch.stack((torch.isinf(v).any(), torch.isnan(v).any()))
+                             for v in values])
         for (i, _), (inf, nan) in zip(items, stats.tolist()):
             out[i] = (bool(inf), bool(nan))
     return out
@@ -78,8 +79,19 @@ class GradFlags:
             device: The kernel call's device.
         """
         flags = torch.zeros(len(holders), dtype=torch.float32, device=device)
-        self._passes.append(_Pass(loss_id, list(holders), flags))
+        self.record(loss_id, holders, flags)
         return flags
+
+    def record(self, loss_id: int, holders: Sequence[torch.Tensor], flags: torch.Tensor) -> None:
+        """Keep flags a kernel call already filled (``flags[i]`` is for ``holders[i]``).
+
+        Raises:
+            ValueError: When the lengths differ.
+        """
+        if flags.numel() != len(holders):
+            raise ValueError(f"GradFlags.record: {flags.numel()} flags for {len(holders)} "
+                             "parameters; pass one flag per parameter")
+        self._passes.append(_Pass(loss_id, list(holders), flags.reshape(-1)))
 
     def clear(self) -> None:
         """Forget the flags (after every step; no host sync)."""

@@ -326,3 +326,16 @@ def test_doctests_of_the_provenance_modules() -> None:
         result = doctest.testmod(module)
         assert result.failed == 0
     assert doctest.testmod(overflow).attempted >= 5
+
+
+def test_record_takes_flags_filled_elsewhere_and_checks_lengths() -> None:
+    emb = nn.Embedding(5, 3, sparse=True)
+    names = ParamNames.from_models([emb])
+    emb(torch.tensor([1, 2])).sum().backward()
+    emb.weight.grad = emb.weight.grad * math.inf  # a sparse gradient holding inf
+    tracker = GradFlags(names)
+    tracker.record(3, [emb.weight], torch.ones(1))
+    r = tracker.report(step=0, loss_ids=[3], scales={})
+    assert r.inf_params == ("weight",) and r.params_by_loss == {3: ("weight",)}
+    with pytest.raises(ValueError, match="2 flags for 1 parameters"):
+        tracker.record(0, [emb.weight], torch.ones(2))
