@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["OverflowReport", "ParamNames", "RateLimiter", "overflow_message"]
+__all__ = ["OverflowReport", "ParamNames", "RateLimiter", "overflow_message", "tally_culprits"]
 
 ROOT_MODULE = "(root)"
 
@@ -314,3 +314,26 @@ class RateLimiter:
             return True, suppressed
         self.suppressed += 1
         return False, 0
+
+
+def tally_culprits(overflows: Iterable[Mapping[str, Any] | None], top: int = 3
+                   ) -> list[tuple[str, int]]:
+    """The modules that caused the most skipped steps, from ``OverflowReport.as_dict()`` records.
+
+    Each record counts once, for its culprit (``forward_module``, else the first of
+    ``modules``); None entries (clean steps) and records naming nothing are ignored.
+
+    >>> tally_culprits([{"modules": [["fc2", 2]]}, None, {"forward_module": "attn",
+    ...                 "modules": [["fc2", 1]]}, {"modules": [["fc2", 1]]}])
+    [('fc2', 2), ('attn', 1)]
+    """
+    counts: dict[str, int] = {}
+    for record in overflows:
+        if not record:
+            continue
+        culprit = record.get("forward_module")
+        if culprit is None and record.get("modules"):
+            culprit = record["modules"][0][0]
+        if culprit is not None:
+            counts[culprit] = counts.get(culprit, 0) + 1
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
