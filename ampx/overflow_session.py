@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -25,11 +25,13 @@ from .overflow import OverflowReport, ParamNames
 from .overflow_policy import Fp32Fallback, OverflowPolicy, find_module, fp32_params_o2
 from .provenance import GradFlags
 
-__all__ = ["DETECT_OVERFLOW", "OverflowWatch", "parse_detect_overflow"]
+__all__ = ["DETECT_OVERFLOW", "STATE_KEY", "OverflowWatch", "check_options", "last_overflow",
+           "parse_detect_overflow", "with_report"]
 
 logger = logging.getLogger("ampx")
 
 DETECT_OVERFLOW = (None, "forward")
+STATE_KEY = "overflow_policy"  # in ampx.state_dict(), only when on_overflow is not "skip"
 
 Pass = tuple[int, Sequence[torch.Tensor], torch.Tensor]  # (loss_id, holders, flags)
 Release = Callable[[list[tuple[nn.Parameter, nn.Parameter]]], None]
@@ -48,6 +50,61 @@ def parse_detect_overflow(value: Any) -> str | None:
     raise ValueError(f"ampx.initialize: detect_overflow={value!r} is not one of None, "
                      "'forward' (forward hooks that find the first module whose output "
                      "became inf/NaN).")
+
+
+def check_options(on_overflow: Any = "skip", overflow_patience: Any = 8,
+                  detect_overflow: Any = None) -> dict[str, Any]:
+    """Validate the three provenance options of ``initialize``; returns them normalised.
+
+    Raises:
+        ValueError: Naming the option and its valid values.
+    """
+    OverflowPolicy(on_overflow, overflow_patience)
+    return {"on_overflow": on_overflow, "patience": overflow_patience,
+            "detect_overflow": parse_detect_overflow(detect_overflow)}
+
+
+def last_overflow(optimizer: Any) -> OverflowReport | None:
+    """Where the inf/NaN of `optimizer`'s most recent skipped step came from (None: no skip yet).
+
+    Raises:
+        TypeError: For an optimizer that never went through ``ampx.initialize``.
+
+    Example::
+
+        optimizer.step()
+        if ampx.step_was_skipped(optimizer):
+            print(ampx.last_overflow(optimizer).summary())
+    """
+    from .optimizer import amp_state_of
+
+    state = amp_state_of(optimizer)
+    if state is None:
+        raise TypeError("last_overflow() needs an optimizer passed through ampx.initialize(); "
+                        f"got {type(optimizer).__module__}.{type(optimizer).__name__}")
+    owner = getattr(state, "owner", None) or getattr(state, "session", None)
+    watch = getattr(owner, "overflow_watch", None)
+    return watch.last(optimizer) if watch is not None else None
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def with_report(exc: E, optimizer: Any) -> E:
+    """Attach `optimizer`'s latest :class:`OverflowReport` to `exc` as ``exc.report``.
+
+    For the fairseq wrapper's OverflowError / FloatingPointError. A FloatingPointError also
+    gets the report's summary appended to its message. ``exc.report`` is None when the
+    optimizer has no report (a session without loss scaling, or nothing skipped yet).
+    """
+    try:
+        report = last_overflow(optimizer)
+    except TypeError:
+        report = None
+    exc.report = report  # type: ignore[attr-defined]
+    if report is not None and isinstance(exc, FloatingPointError) and exc.args:
+        exc.args = (f"{exc.args[0]}\n{report.summary()}", *exc.args[1:])
+    return exc
 
 
 class OverflowWatch:
@@ -81,6 +138,35 @@ class OverflowWatch:
         self.fallbacks: dict[str, Fp32Fallback] = {}
         self._last: weakref.WeakKeyDictionary[Any, OverflowReport] = \
             weakref.WeakKeyDictionary()
+        self._skipped: OverflowReport | None = None
+
+    @classmethod
+    def attach(cls, models: Sequence[nn.Module], optimizers: Sequence[Any],
+               options: Mapping[str, Any], casts_patched: bool) -> OverflowWatch:
+        """The watch of a session that just initialized `models` and `optimizers`.
+
+        Args:
+            models: The models.
+            optimizers: Their optimizers (their ampx states hold the O2 master maps).
+            options: :func:`check_options` output.
+            casts_patched: Whether O1 patches are active for the session.
+        """
+        from .optimizer import amp_state_of
+
+        # Any: the protocol's state type (release_masters is its O2 un-split transition)
+        states: list[Any] = [s for s in (amp_state_of(o) for o in optimizers) if s is not None]
+        pairs: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+        for state in states:
+            for half, master in state.masters.pairs():
+                pairs.setdefault(id(half), (half, master))
+
+        def release(done: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+            for state in states:
+                state.release_masters(done)
+
+        return cls(models, list(pairs.values()), on_overflow=options["on_overflow"],
+                   patience=options["patience"], detect_overflow=options["detect_overflow"],
+                   casts_patched=casts_patched, release_masters=release)
 
     # -- per step ---------------------------------------------------------------------------
     def on_skip(self, optimizer: Any, passes: Iterable[Pass], *, step: int,
@@ -109,6 +195,7 @@ class OverflowWatch:
                 scales[loss_id] = (float(seen[0]), float(seen[1]))
         report = dataclasses.replace(report, scales=scales)
         self._last[optimizer] = report
+        self._skipped = report
         at_minimum = any(scalers[i].at_minimum() for i in scales)
         module = self.policy.observe_skip(report, at_minimum)
         if module is not None:
@@ -118,6 +205,18 @@ class OverflowWatch:
     def on_clean(self) -> None:
         """A step that was not skipped."""
         self.policy.observe_clean()
+
+    def step_done(self) -> OverflowReport | None:
+        """After every step: the report if it was skipped (for telemetry), else None.
+
+        Resets the policy's consecutive-skip count on a clean step and clears the
+        forward records (no host sync).
+        """
+        report, self._skipped = self._skipped, None
+        if report is None:
+            self.on_clean()
+        self.after_step()
+        return report
 
     def after_step(self) -> None:
         """Every step's end: forget the forward records; heal interrupted fallbacks."""
@@ -160,7 +259,24 @@ class OverflowWatch:
         """The policy's state (modules in fp32, counters)."""
         return self.policy.state_dict()
 
-    def check_state(self, state: Any, key: str = "overflow_policy") -> dict[str, Any]:
+    def add_state(self, out: dict[str, Any]) -> None:
+        """Put the policy state into a session state dict (not for ``"skip"``: apex-loadable)."""
+        if self.policy.mode != "skip":
+            out[STATE_KEY] = self.state_dict()
+
+    def split_state(self, state_dict: Mapping[str, Any]
+                    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """``(the other entries, checked policy state or None)``; nothing is applied.
+
+        Raises:
+            ValueError: For a malformed policy entry (see :meth:`check_state`).
+        """
+        rest = {k: v for k, v in state_dict.items() if k != STATE_KEY}
+        if STATE_KEY not in state_dict:
+            return rest, None
+        return rest, self.check_state(state_dict[STATE_KEY])
+
+    def check_state(self, state: Any, key: str = STATE_KEY) -> dict[str, Any]:
         """Validate a saved state against these models (nothing is applied).
 
         Raises:
