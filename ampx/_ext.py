@@ -1,10 +1,12 @@
 """Kernel backend switch: the native extension when it can run, the reference otherwise.
 
 Other ampx modules call only the five contract functions here (``unscale_``,
-``unscale_into_``, ``l2norm``, ``copy_``, ``update_scale_``) plus :func:`describe`,
-``BACKEND`` and ``IMPORT_ERROR``. The choice is made per call: the native kernels
-are used when the extension is loaded and has kernels for the tensors' device (CPU
-always, CUDA when it was compiled with CUDA); anything else runs
+``unscale_into_``, ``l2norm``, ``copy_``, ``update_scale_``), the foreach helper ``mul_``,
+:func:`describe`, ``BACKEND`` and ``IMPORT_ERROR``. This is the one place where tensors
+are grouped by device and reduced to contiguous layouts before a kernel runs. The choice
+is made per call: the native kernels are used when the extension is loaded and has
+kernels for the tensors' device (CPU always, CUDA when it was compiled with CUDA);
+anything else runs
 :mod:`ampx._reference`, which computes the same results.
 
 Loading is lazy and never compiles: the first call (or the first read of
@@ -36,6 +38,7 @@ __all__ = [
     "copy_",
     "describe",
     "l2norm",
+    "mul_",
     "unscale_",
     "unscale_into_",
     "update_scale_",
@@ -175,7 +178,104 @@ def __getattr__(name: str) -> Any:
 
 # ---------------------------------------------------------------------------
 # The contract (see ampx/_reference.py for the full specification)
+#
+# The implementations take contiguous tensors on one device. This boundary accepts more and
+# normalises once: tensors are grouped by device (each device gets its own call, with the
+# flags moved there and merged back), and any layout a torch optimizer accepts is reduced to
+# contiguous views: a dense tensor (channels_last, transposed) is viewed in memory order, a
+# src/dst pair with different or non-dense layouts is staged through contiguous copies
+# (exact, so results are bitwise those of the contiguous tensors).
 # ---------------------------------------------------------------------------
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True when `t` covers exactly `numel` consecutive elements (any dimension order)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _flat(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """A contiguous 1-D view of `t` in memory order, or None when `t` is not dense."""
+    if t.is_contiguous():
+        return t.view(-1)
+    if _dense(t):
+        return t.as_strided((t.numel(),), (1,), t.storage_offset())
+    return None
+
+
+class _Staged:
+    """Contiguous stand-ins for one call's outputs; `finish` writes them back."""
+
+    def __init__(self) -> None:
+        self.back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def output(self, t: torch.Tensor, *, keep: bool, any_order: bool) -> torch.Tensor:
+        flat = _flat(t) if any_order else (t.view(-1) if t.is_contiguous() else None)
+        if flat is not None:
+            return flat
+        staged = t.contiguous().view(-1) if keep else torch.empty(
+            t.numel(), dtype=t.dtype, device=t.device)
+        self.back.append((t, staged))
+        return staged
+
+    def pair(self, s: torch.Tensor, d: torch.Tensor, *, keep: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(src, dst) views whose elements correspond (same layout: in memory order)."""
+        if s.shape == d.shape and s.stride() == d.stride():
+            fs, fd = _flat(s), _flat(d)
+            if fs is not None and fd is not None:
+                return fs, fd
+        src = s.view(-1) if s.is_contiguous() else s.contiguous().view(-1)
+        return src, self.output(d, keep=keep, any_order=False)
+
+    def finish(self) -> None:
+        for t, staged in self.back:
+            t.copy_(staged.view(t.shape))
+
+
+def _by_device(*lists: Tensors) -> list[tuple[torch.device, list[int]]]:
+    groups: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(lists[0]):
+        groups.setdefault(t.device, []).append(i)
+    return list(groups.items())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP2): a view, so in-place results land in it."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device)
+
+
+def _flags_for(device: torch.device, found_inf: torch.Tensor, per_tensor: Optional[torch.Tensor],
+               idx: list[int], whole: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    found = found_inf if found_inf.device == device else torch.zeros(
+        1, dtype=torch.float32, device=device)
+    if per_tensor is None:
+        return found, None
+    if whole and per_tensor.device == device:
+        return found, per_tensor
+    return found, torch.zeros(len(idx), dtype=torch.float32, device=device)
+
+
+def _merge_flags(found_inf: torch.Tensor, found: torch.Tensor,
+                 per_tensor: Optional[torch.Tensor], part: Optional[torch.Tensor],
+                 idx: list[int]) -> None:
+    if found is not found_inf:
+        torch.maximum(found_inf, found.to(found_inf.device), out=found_inf)
+    if per_tensor is not None and part is not None and part is not per_tensor:
+        index = torch.tensor(idx, device=per_tensor.device)
+        flat = per_tensor.view(-1)
+        flat.index_copy_(0, index, torch.maximum(flat.index_select(0, index),
+                                                 part.to(per_tensor.device)))
 
 
 def unscale_(
@@ -186,11 +286,20 @@ def unscale_(
 ) -> None:
     """Multiply ``grads`` by ``inv_scale`` in place; flag inf/NaN in ``found_inf``.
 
-    See :func:`ampx._reference.unscale_` for the arguments and errors.
+    Any devices and layouts (see the section comment). See :func:`ampx._reference.unscale_`
+    for the arguments and errors.
     """
     if not grads:
         return
-    _impl(grads[0].device).unscale_(list(grads), inv_scale, found_inf, per_tensor)
+    grads = [_local(g) for g in grads]
+    groups = _by_device(grads)
+    for device, idx in groups:
+        staged = _Staged()
+        outs = [staged.output(grads[i], keep=True, any_order=True) for i in idx]
+        found, part = _flags_for(device, found_inf, per_tensor, idx, len(groups) == 1)
+        _impl(device).unscale_(outs, _on(inv_scale, device), found, part)
+        staged.finish()
+        _merge_flags(found_inf, found, per_tensor, part, idx)
 
 
 def unscale_into_(
@@ -203,10 +312,24 @@ def unscale_into_(
 ) -> None:
     """Write (or add) ``src * inv_scale`` into ``dst`` in one pass; flag inf/NaN.
 
-    See :func:`ampx._reference.unscale_into_` for the arguments and errors.
+    Any devices and layouts (see the section comment). See
+    :func:`ampx._reference.unscale_into_` for the arguments and errors.
     """
-    device = src[0].device if src else torch.device("cpu")
-    _impl(device).unscale_into_(list(src), list(dst), inv_scale, found_inf, per_tensor, accumulate)
+    if not src or len(src) != len(dst):
+        device = src[0].device if src else torch.device("cpu")
+        _impl(device).unscale_into_(list(src), list(dst), inv_scale, found_inf, per_tensor,
+                                    accumulate)
+        return
+    src, dst = [_local(t) for t in src], [_local(t) for t in dst]
+    groups = _by_device(src)
+    for device, idx in groups:
+        staged = _Staged()
+        pairs = [staged.pair(src[i], dst[i], keep=accumulate) for i in idx]
+        found, part = _flags_for(device, found_inf, per_tensor, idx, len(groups) == 1)
+        _impl(device).unscale_into_([s for s, _ in pairs], [d for _, d in pairs],
+                                    _on(inv_scale, device), found, part, accumulate)
+        staged.finish()
+        _merge_flags(found_inf, found, per_tensor, part, idx)
 
 
 def l2norm(
@@ -214,24 +337,64 @@ def l2norm(
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Return the float32 L2 norm of all tensors (and, optionally, of each).
 
-    See :func:`ampx._reference.l2norm` for the arguments, result and errors.
+    Tensors may be on several devices (the total is on the first one's) and in any layout
+    (DTensors contribute their local shard). See :func:`ampx._reference.l2norm` for the
+    arguments, result and errors.
     """
     if not tensors:
         return _reference.l2norm(tensors, per_tensor)
-    impl = _impl(tensors[0].device)
-    if impl is _reference:
-        return _reference.l2norm(tensors, per_tensor)
-    total, norms = impl.l2norm(list(tensors), per_tensor)
+    flat = [_local(t) for t in tensors]
+    flat = [f if f is not None else t.contiguous().view(-1)
+            for t, f in zip(flat, (_flat(t) for t in flat))]
+    groups = _by_device(flat)
+    first = flat[0].device
+    totals: list[torch.Tensor] = []
+    norms = torch.zeros(len(flat), dtype=torch.float32, device=first)
+    for device, idx in groups:
+        impl = _impl(device)
+        part = [flat[i] for i in idx]
+        if impl is _reference:
+            total, each = _reference.l2norm(part, True)
+        else:
+            total, each = impl.l2norm(part, True)
+        totals.append(total.to(first))
+        if per_tensor:
+            norms[torch.tensor(idx, device=first)] = each.to(first)
+    total = totals[0] if len(totals) == 1 else torch.linalg.vector_norm(
+        torch.stack(totals).double()).float()
     return (total, norms) if per_tensor else total
 
 
 def copy_(src: Tensors, dst: Tensors) -> None:
     """Copy ``src[i]`` into ``dst[i]`` for every ``i``, converting the dtype.
 
-    See :func:`ampx._reference.copy_` for the arguments and errors.
+    Any devices and layouts (see the section comment). See :func:`ampx._reference.copy_`
+    for the arguments and errors.
     """
-    device = src[0].device if src else torch.device("cpu")
-    _impl(device).copy_(list(src), list(dst))
+    if not src or len(src) != len(dst):
+        device = src[0].device if src else torch.device("cpu")
+        _impl(device).copy_(list(src), list(dst))
+        return
+    src, dst = [_local(t) for t in src], [_local(t) for t in dst]
+    for device, idx in _by_device(src):
+        staged = _Staged()
+        pairs = [staged.pair(src[i], dst[i], keep=False) for i in idx]
+        _impl(device).copy_([s for s, _ in pairs], [d for _, d in pairs])
+        staged.finish()
+
+
+def mul_(tensors: Tensors, factor: Union[float, torch.Tensor]) -> None:
+    """Multiply every tensor in place by `factor` (a number or a 1-element tensor).
+
+    Not a contract kernel: torch's foreach multiply, grouped by device and dtype here.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        t = _local(t)
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for (device, _), group in groups.items():
+        f = factor if isinstance(factor, (int, float)) else _on(factor, device).reshape(())
+        torch._foreach_mul_(group, f)
 
 
 def update_scale_(
@@ -251,17 +414,8 @@ def update_scale_(
     See :func:`ampx._reference.update_scale_` for the rule, arguments and errors.
     """
     _impl(scale.device).update_scale_(
-        scale,
-        growth_tracker,
-        hysteresis_tracker,
-        found_inf,
-        float(growth),
-        float(backoff),
-        int(interval),
-        int(hysteresis),
-        float(min_scale),
-        float(max_scale),
-    )
+        scale, growth_tracker, hysteresis_tracker, found_inf, float(growth), float(backoff),
+        int(interval), int(hysteresis), float(min_scale), float(max_scale))
 
 
 def describe() -> dict[str, Any]:

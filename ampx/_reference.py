@@ -356,9 +356,20 @@ def update_scale_(
     _check_scalar(api, "growth_tracker", growth_tracker, torch.int32, ref, "scale")
     _check_scalar(api, "hysteresis_tracker", hysteresis_tracker, torch.int32, ref, "scale")
     _check_scalar(api, "found_inf", found_inf, torch.float32, ref, "scale")
+    new_scale, new_growth, new_tracker = _next_scale(
+        scale, growth_tracker, hysteresis_tracker, found_inf > 0,
+        (growth, backoff, interval, hysteresis, min_scale, max_scale))
+    scale.copy_(new_scale)
+    growth_tracker.copy_(new_growth)
+    hysteresis_tracker.copy_(new_tracker)
 
-    found = found_inf > 0
-    tracker = hysteresis_tracker
+
+def _next_scale(
+    scale: torch.Tensor, growth_tracker: torch.Tensor, tracker: torch.Tensor,
+    found: torch.Tensor, rule: tuple[float, float, int, int, float, float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rule of `update_scale_` as fresh tensors (scale, growth tracker, hysteresis)."""
+    growth, backoff, interval, hysteresis, min_scale, max_scale = rule
     # Overflow branch.
     backed_off = (scale * backoff).clamp_(min_scale, max_scale)
     exhausted = tracker <= 1
@@ -371,10 +382,6 @@ def update_scale_(
     scale_if_ok = torch.where(due & torch.isfinite(grown), grown.clamp(max=max_scale), scale)
     growth_if_ok = torch.where(due, torch.zeros_like(counted), counted)
     tracker_if_ok = torch.where(due, torch.full_like(tracker, hysteresis), tracker)
-
-    new_scale = torch.where(found, scale_if_inf, scale_if_ok)
-    new_growth = torch.where(found, torch.zeros_like(counted), growth_if_ok)
-    new_tracker = torch.where(found, tracker_if_inf, tracker_if_ok)
-    scale.copy_(new_scale)
-    growth_tracker.copy_(new_growth)
-    hysteresis_tracker.copy_(new_tracker)
+    return (torch.where(found, scale_if_inf, scale_if_ok),
+            torch.where(found, torch.zeros_like(counted), growth_if_ok),
+            torch.where(found, tracker_if_inf, tracker_if_ok))

@@ -1,4 +1,4 @@
-"""Overflow agreement across ranks of torch.distributed, and rank-0-only logging.
+"""torch.distributed: overflow agreement across ranks, DTensor helpers, rank-0-only logging.
 
 With DDP, gradients are all-reduced during backward, so every rank sees the same inf/NaN. Where
 they are not (FSDP2's sharded gradients, sharded optimizers, gradients reduced by hand after
@@ -25,7 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankZeroFilter", "install_log_filter", "is_multi_rank", "rank", "reduce_found_inf_"]
+__all__ = ["RankZeroFilter", "aggregate_dtensor_norm", "install_log_filter", "is_dtensor",
+           "is_multi_rank", "local", "rank", "reduce_found_inf_"]
 
 _LOG_FILTER: RankZeroFilter | None = None
 
@@ -95,3 +96,44 @@ def reduce_found_inf_(found_inf: torch.Tensor, group: Any = None) -> None:
         found_inf.copy_(staged)
     else:
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+
+
+# -- DTensor (FSDP2) helpers ------------------------------------------------------------------
+
+_DTensor: Any
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover - torch without distributed
+    _DTensor = None
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """True for a `torch.distributed.tensor.DTensor` (FSDP2 parameters and gradients)."""
+    return _DTensor is not None and isinstance(tensor, _DTensor)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view), or the tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def aggregate_dtensor_norm(norm: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum squared norms over the mesh when the gradients are DTensor shards (FSDP2).
+
+    Raises:
+        ValueError: For shards over several or multi-dimensional meshes.
+    """
+    sharded = [g for g in grads if is_dtensor(g)
+               and any(p.is_shard() for p in g.placements)]  # type: ignore[attr-defined]
+    meshes = {id(g.device_mesh): g.device_mesh for g in sharded}  # type: ignore[attr-defined]
+    if not meshes:
+        return norm
+    if len(meshes) > 1 or next(iter(meshes.values())).ndim != 1:
+        raise ValueError(
+            "AmpOptimizer.clip_grad_norm: gradients are sharded over several or multi-"
+            "dimensional device meshes; pass aggregate_norm_fn to combine the norms."
+        )
+    mesh = next(iter(meshes.values()))
+    squared = (norm.float() ** 2).reshape(1)
+    dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=mesh.get_group())
+    return squared.sqrt().reshape(())

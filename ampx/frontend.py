@@ -10,30 +10,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from . import distributed, patch, telemetry
+from . import checkpoint, distributed, patch, telemetry
+from .checkpoint import CheckpointError
+from .masters import optimizer_params, recast_state
 from .model import MasterMap, ModelCast, cast_model, check_models, device_types_of
 from .opt_levels import BRIEFS, OptionError, OptLevel, Properties, resolve_properties
-from .optimizer import (
-    OptimizerAmpState,
-    amp_state_of,
-    attach,
-    check_optimizers,
-    master_params,
-    note_found_inf,
-    optimizer_params,
-    post_backward,
-    prepare_backward,
-    recast_state,
-    restore_stash,
-)
+from .optimizer import OptimizerAmpState, Policy, amp_state_of, master_params
+from .scaled_pass import ScaledPass
 from .scaler import LossScaler
+from .stepping import attach, check_optimizers
 
 __all__ = [
     "Amp",
@@ -58,10 +49,6 @@ _FORCEABLE = ("opt_level", "dtype", "loss_scale", "keep_batchnorm_fp32", "master
 _LEVEL_SPECIFIC = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
                    "master_weights")
 _FORCED: dict[str, Any] = {}
-
-
-class CheckpointError(ValueError, RuntimeError):
-    """A malformed or mismatched ampx/apex checkpoint (RuntimeError, as apex raised)."""
 
 
 def set_forced_options(options: Mapping[str, Any] | None) -> None:
@@ -302,7 +289,7 @@ class Amp:
             for opt in opt_list:
                 if props.cast_model_type is not None and not props.master_weights:
                     recast_state(opt)
-                attach(opt, self, masters)
+                attach(opt, self, masters, self._policy())
             device = _first_device(opt_list, model_list)
             for scaler in self.scalers:
                 scaler.to_(device)
@@ -403,45 +390,32 @@ class Amp:
                 "num_losses=N to initialize to get N loss scalers."
             )
         if not self.scales_gradients:  # apex's short-circuit (O0, O3 with fp16)
-            try:
-                yield loss.float()
-            finally:
-                patch.clear_cache()
-            for state in states:
-                state.last_loss = loss.detach()
+            yield from _short_circuit(loss, states)
             return
 
-        scaler = self.scalers[loss_id]
-        for opt, state in zip(opts, states):
-            prepare_backward(opt, state)
+        scaled = ScaledPass(opts, states, self.scalers[loss_id], self.synchronize_found_inf)
+        scaled.begin()
         try:
-            yield scaler.scale_loss_value(loss)
+            yield self.scalers[loss_id].scale_loss_value(loss)
         except BaseException:
-            for state in states:
-                restore_stash(state)
+            scaled.abort()
             patch.clear_cache()
             raise
         try:
-            if delay_unscale:
-                for state in states:
-                    state.scaled_grads_pending = True
-                return
-            found_inf = torch.zeros(1, dtype=torch.float32, device=scaler.device)
-            inv_scale = scaler.inv_scale()
-            for opt, state in zip(opts, states):
-                post_backward(opt, state, inv_scale, found_inf)
-                state.scaled_grads_pending = False
-            if delay_overflow_check:
-                return
-            self.synchronize_found_inf(found_inf)
-            scaler.update_(found_inf)
-            for state in states:
-                if self.skips_non_finite:
-                    note_found_inf(state, found_inf)
-                state.loss_ids.add(loss_id)
-                state.last_loss = loss.detach()
+            scaled.end(loss.detach(), loss_id=loss_id, delay_unscale=delay_unscale,
+                       check=not delay_overflow_check)
         finally:
             patch.clear_cache()
+
+    def _policy(self) -> Policy:
+        """What this session hands each optimizer's state at attach."""
+        return Policy(scales=self.scales_gradients, skips=self.skips_non_finite,
+                      master_weights=bool(self.properties.master_weights),
+                      on_overflow=self._report_overflow, on_step=self.record_step)
+
+    def _report_overflow(self, loss_ids: Any) -> None:
+        for loss_id in loss_ids:
+            self.scalers[loss_id].report_overflow()
 
     def _state_of(self, optimizer: Any) -> OptimizerAmpState:
         state = amp_state_of(optimizer)
@@ -450,7 +424,7 @@ class Amp:
                 "scale_loss() needs an optimizer passed through ampx.initialize(); got "
                 f"{type(optimizer).__module__}.{type(optimizer).__name__}"
             )
-        if state.session is not self:
+        if state.owner is not self:
             raise ValueError(
                 "ampx.scale_loss: this optimizer was initialized by another Amp session; use "
                 "that session's scale_loss (or ampx.scale_loss, which finds it)."
@@ -471,8 +445,7 @@ class Amp:
         """The current scale of a loss as a float (one host sync)."""
         return self.scalers[loss_id].loss_scale()
 
-    def record_step(self, optimizer: torch.optim.Optimizer, state: OptimizerAmpState,
-                    skipped: bool) -> None:
+    def record_step(self, optimizer: torch.optim.Optimizer, state: OptimizerAmpState) -> None:
         """Called after every step of an initialized optimizer (telemetry, when enabled)."""
         tel = telemetry.sink()
         now = time.perf_counter()
@@ -482,13 +455,13 @@ class Amp:
             params = next(iter(optimizer_params(optimizer)), None)
             tel.step(
                 optimizer=self.optimizers.index(optimizer) if optimizer in self.optimizers else 0,
-                step_time_s=now - state._last_step_end,
+                step_time_s=now - state.last_step_end,
                 loss=float(loss.item()) if loss is not None else None,
                 loss_scale=self.scalers[loss_ids[0]].loss_scale(),
-                skipped=skipped,
+                skipped=state.last_step_skipped,
                 device=params.device if params is not None else None,
             )
-        state._last_step_end = now
+        state.last_step_end = now
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self, destination: dict | None = None) -> dict[str, Any]:
@@ -512,43 +485,7 @@ class Amp:
         Raises:
             CheckpointError: Naming the offending key.
         """
-        if not isinstance(state_dict, Mapping):
-            raise CheckpointError(
-                f"ampx.load_state_dict: expected a dict of loss_scalerN entries; got "
-                f"{type(state_dict).__name__}."
-            )
-        unexpected = [k for k in state_dict if not _scaler_index(k)[0]]
-        if unexpected:
-            raise CheckpointError(
-                "Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
-                + ", ".join(repr(k) for k in unexpected)
-                + ". (ampx.load_state_dict expects only loss_scalerN keys, as saved by "
-                "ampx.state_dict() or apex's amp.state_dict().)"
-            )
-        checked: dict[int, dict[str, Any]] = {}
-        for key, value in state_dict.items():
-            index = _scaler_index(key)[1]
-            try:
-                if index < len(self.scalers):
-                    entry = self.scalers[index].check_state(value, key)
-                else:
-                    entry = LossScaler.validate_state(value, key)
-            except ValueError as exc:
-                raise CheckpointError(str(exc)) from None
-            if index >= len(self.scalers):
-                warnings.warn(
-                    f"ampx.load_state_dict: skipping {key}, since num_losses was set to "
-                    f"{len(self.scalers)}.", stacklevel=3,
-                )
-                continue
-            checked[index] = entry
-        if len(state_dict) != len(self.scalers):
-            warnings.warn(
-                f"ampx.load_state_dict: state_dict contains {len(state_dict)} entries, while "
-                f"{len(self.scalers)} loss_scalers are used.", stacklevel=3,
-            )
-        for index, entry in checked.items():
-            self.scalers[index].load_state_dict(entry, f"loss_scaler{index}")
+        checkpoint.load(self.scalers, state_dict, stacklevel=4)
 
     # -- teardown ---------------------------------------------------------------------------------
     @property
@@ -563,10 +500,13 @@ class Amp:
         self._o1 = None
 
 
-def _scaler_index(key: Any) -> tuple[bool, int]:
-    if isinstance(key, str) and key.startswith("loss_scaler") and key[11:].isdigit():
-        return True, int(key[11:])
-    return False, -1
+def _short_circuit(loss: torch.Tensor, states: list[OptimizerAmpState]) -> Iterator[torch.Tensor]:
+    try:
+        yield loss.float()
+    finally:
+        patch.clear_cache()
+    for state in states:
+        state.last_loss = loss.detach()
 
 
 def _apply_forced(requested: dict[str, Any], forced: dict[str, Any]) -> dict[str, Any]:
@@ -679,8 +619,8 @@ def initialize(
 def _session_for(optimizers: Any) -> Amp:
     for opt in _optimizer_list(optimizers):
         state = amp_state_of(opt)
-        if state is not None:
-            return state.session
+        if state is not None and isinstance(state.owner, Amp):
+            return state.owner
     if _DEFAULT is None:
         raise RuntimeError(
             "Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "

@@ -1,42 +1,107 @@
-"""Optimizer processing: master weights, gradient stashing, unscaling, skipped steps.
+"""The scaled-backward protocol: one stage machine per optimizer, one method per transition.
 
-The optimizer handed to `initialize` is returned as the very same object, of the same class:
-ampx never replaces `step`, `zero_grad` or `add_param_group`. Its per-optimizer state lives in
-one attribute, `optimizer._ampx` (an `OptimizerAmpState`), and it acts through torch's own
-optimizer step hooks:
+Every optimizer handed to `initialize` is returned as the very same object, of the same class;
+its ampx state is one attribute, `optimizer._ampx`, an `OptimizerAmpState`. That state is the
+single owner of the protocol, with an explicit `Stage` (as `torch.amp.GradScaler` keeps
+`OptState`):
 
-- the pre-hook decides whether the step is skipped (one host sync per step, reading the
-  overflow flag accumulated on the device) and, if so, hands the optimizer no gradients, so
-  every optimizer kind (foreach, fused, custom) leaves parameters and state untouched;
-- the post-hook copies O2 masters to the half model parameters and records telemetry.
+    READY ──begin_backward──▶ SCALING ──end (unscale)──▶ UNSCALED ──step──▶ READY
+      ▲                         │  ▲ └──end (delay_unscale)──▶ SCALED ──begin──┘
+      └──────── abort / zero_grad ◀──────────────────────────────┘
 
-LR schedulers created before or after `initialize` keep counting steps, because `step` is
-still the optimizer's own.
+- `begin_backward` moves existing gradients aside (the stash) so backward writes only its own;
+- `abort_backward` (an exception inside `scale_loss`) puts everything back as it was;
+- `ScaledPass.end` (`ampx.scaled_pass`) unscales this pass's gradients into fresh buffers
+  (`ampx.unscale`), flags inf/NaN, computes the next scaler state, then commits it all at once;
+- `decide_step` / `after_step` run from torch's step hooks (`ampx.stepping`): the skip
+  decision (one host sync, or none for fused optimizers that take the device flag), and the
+  master -> model copy;
+- `zero_grad` starts a new update (at O2 it also releases the half model gradients).
+
+Transactions: a transition computes into tensors nobody holds yet and then commits with plain
+assignments recorded in a `Journal`; on any exception (KeyboardInterrupt included) the journal
+undoes them, so state is exactly what it was. `after_step` runs after the optimizer already
+changed the parameters, so it rolls forward instead: it completes its idempotent work (on the
+reference kernels if the native one failed) and then re-raises.
+
+Per-tensor overflow flags: with `Policy.per_tensor` (or `ScaledPass(per_tensor=True)`) every
+checked pass adds (loss_id, parameters, float32 flags) to `OptimizerAmpState.overflow_flags`,
+one flag per parameter that got a new gradient, filled by the same kernel calls (no extra
+pass); they live until the step, like the step flag.
+
+This module never imports the session: what it needs from it (skip policy, the cross-rank
+flag agreement, overflow reporting, telemetry) arrives as a `Policy` at `attach`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from enum import Enum
+from typing import Any
 
 import torch
 
-from . import _ext
+from . import masters as _masters
+from . import unscale
+from ._journal import Journal
+from .masters import ParamCache, grad_mark, optimizer_params
 from .model import MasterMap
 
-if TYPE_CHECKING:
-    from .frontend import Amp
-
-__all__ = ["OptimizerAmpState", "amp_state_of", "master_params"]
+__all__ = ["OptimizerAmpState", "Policy", "Stage", "amp_state_of", "master_params"]
 
 logger = logging.getLogger("ampx")
 
-_ATTR = "_ampx"
-_APEX_ATTRS = ("_amp_stash", "_lazy_init_maybe_master_weights", "_master_params_to_model_params",
-               "_prepare_amp_backward", "_post_amp_backward", "_amp_lazy_init")
+ATTR = "_ampx"
+
+
+class Stage(Enum):
+    """Where an optimizer is in the scaled-backward protocol."""
+
+    READY = "READY"  # no scaled pass since the last step (or zero_grad)
+    SCALING = "SCALING"  # inside scale_loss: earlier gradients stashed, backward running
+    SCALED = "SCALED"  # a delay_unscale pass left scaled gradients in .grad
+    UNSCALED = "UNSCALED"  # unscaled gradients and their overflow flag wait for step()
+
+
+def _noop(*args: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the session hands an optimizer's state at attach (the state never sees the session).
+
+    Attributes:
+        scales: False on apex's short-circuit path (no masters, static 1.0, no inf check).
+        skips: Whether steps with non-finite gradients are skipped.
+        master_weights: Whether half parameters added later get fp32 masters.
+        per_tensor: Compute per-parameter overflow flags in every checked pass (kept in
+            `OptimizerAmpState.overflow_flags` until the step).
+        on_overflow: Called with the loss ids of a skipped step (logging; may sync), before
+            the step's gradients are released; the step is committed even if it raises.
+        on_skip: Called with (optimizer, state) on a skipped step, right after `on_overflow`
+            (the gradients and `overflow_flags` are still there); may raise likewise.
+        on_step: Called with (optimizer, state) after every step (telemetry).
+    """
+
+    scales: bool = True
+    skips: bool = True
+    master_weights: bool = False
+    per_tensor: bool = False
+    on_overflow: Callable[[Sequence[int]], None] = _noop
+    on_skip: Callable[[torch.optim.Optimizer, OptimizerAmpState], None] = _noop
+    on_step: Callable[[torch.optim.Optimizer, OptimizerAmpState], None] = _noop
+
+
+@dataclass(eq=False)
+class StepDecision:
+    """The pre-hook's decision, committed by the post-hook (discarded if step raised)."""
+
+    skip: bool = False
+    flag: torch.Tensor | None = None  # fused path: the device flag handed to the optimizer
 
 
 @dataclass(eq=False)
@@ -44,144 +109,325 @@ class OptimizerAmpState:
     """Everything ampx keeps for one optimizer (held as `optimizer._ampx`).
 
     Attributes:
-        session: The `Amp` session the optimizer was initialized with.
+        owner: The session that attached it (opaque here; the frontend uses it).
+        policy: What the session decided for this optimizer.
         masters: The O2 model-parameter -> fp32 master map (empty without master weights).
+        stage: Where the optimizer is in the protocol.
         found_inf: Device flag: a non-finite gradient was seen since the last step.
-        pending: A `scale_loss` unscaled gradients since the last step.
-        scaled_grads_pending: A `scale_loss(delay_unscale=True)` left scaled gradients.
-        last_step_skipped: Whether the most recent `step()` was skipped.
+        loss_ids: Loss scalers whose passes fed the next step.
+        overflow_flags: With `Policy.per_tensor`, one (loss_id, params, flags) per checked
+            pass since the last step: float32 flags, 1.0 where that parameter's new gradient
+            had inf/NaN (cleared with the step flag).
         steps: `step()` calls so far.
-        skipped_steps: Skipped `step()` calls so far.
     """
 
-    session: Amp
+    owner: object
+    policy: Policy = field(default_factory=Policy)
     masters: MasterMap = field(default_factory=MasterMap)
+    stage: Stage = Stage.READY
     found_inf: torch.Tensor | None = None
-    pending: bool = False
-    scaled_grads_pending: bool = False
-    last_step_skipped: bool = False
-    steps: int = 0
-    skipped_steps: int = 0
-    loss_ids: set[int] = field(default_factory=set)
+    loss_ids: frozenset[int] = frozenset()
+    overflow_flags: tuple[tuple[int, list[torch.Tensor], torch.Tensor], ...] = ()
     last_loss: torch.Tensor | None = None
+    steps: int = 0
     stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    dropped: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     handles: list[Any] = field(default_factory=list)
-    _step_started: float = 0.0
-    _last_step_end: float = field(default_factory=time.perf_counter)
-    _skip_now: bool = False
+    last_step_end: float = field(default_factory=time.perf_counter)
+    _entry: tuple[Stage, dict[int, Any] | None] | None = None
+    _before_delay: Stage = Stage.READY
+    _decision: StepDecision | None = None
+    _skipped: int = 0
+    _skipped_device: torch.Tensor | None = None
+    _last_skip: bool | torch.Tensor = False
     _groups_seen: int = 0
     _cache: ParamCache | None = None
 
+    @property
+    def session(self) -> object:
+        """The attaching session (alias of `owner`, kept for code that reads it)."""
+        return self.owner
+
+    # -- views -----------------------------------------------------------------------------
+    def cache(self, optimizer: torch.optim.Optimizer) -> ParamCache:
+        """The parameter views, after adopting groups added since the last call."""
+        self._groups_seen = _masters.adopt_new_groups(
+            optimizer, self.masters, self._groups_seen, self.policy.master_weights)
+        self._cache = _masters.build_cache(optimizer, self.masters, self._cache)
+        return self._cache
+
+    def model_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The half model parameters behind this optimizer's fp32 masters (O2), in order."""
+        return list(self.cache(optimizer).models)
+
+    def master_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The fp32 masters this optimizer steps (O2), in the order of `model_params`."""
+        return list(self.cache(optimizer).masters)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the most recent `step()` was skipped.
+
+        .. note:: After a fused optimizer's step (no host sync at step time) this reads the
+           device flag: one sync.
+        """
+        skip = self._last_skip
+        return bool(skip.item()) if isinstance(skip, torch.Tensor) else skip
+
+    @property
+    def skipped_steps(self) -> int:
+        """Skipped `step()` calls so far (one sync when fused steps are counted on device)."""
+        extra = self._skipped_device
+        return self._skipped + (int(extra.item()) if extra is not None else 0)
+
+    def release_masters(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Forget these (half model param, master) pairs (their module went back to fp32)."""
+        discard = getattr(self.masters, "discard", None)
+        if discard is None:
+            raise RuntimeError("ampx: this MasterMap cannot discard masters.")
+        for model_param, _ in pairs:
+            discard(model_param)
+        self._cache = None
+
+    def pending_flag(self) -> torch.Tensor | None:
+        """The overflow flag the next `step()` decides on (None when no checked pass ran)."""
+        return self.found_inf if self.stage is Stage.UNSCALED else None
+
+    def mark_overflow(self) -> None:
+        """UNSCALED: make the next `step()` a skipped one (finite gradients whose norm is not)."""
+        if self.stage is Stage.UNSCALED and self.found_inf is not None:
+            self.found_inf = torch.ones_like(self.found_inf)
+
     def detach(self) -> None:
-        """Remove the step hooks (used when initialize fails half-way and by tests)."""
+        """Remove the step hooks and the zero_grad handler (initialize failed half-way)."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
 
+    # -- transitions around backward ---------------------------------------------------------
+    def begin_backward(self, optimizer: torch.optim.Optimizer) -> None:
+        """READY/UNSCALED/SCALED -> SCALING: move earlier gradients aside for this pass.
+
+        Parameters the optimizer steps have their gradient stashed (added back to this pass's
+        unscaled gradient at the end). The half model parameters behind masters have theirs
+        put aside too and released at the end, as apex did: anything there was not produced
+        through this optimizer's `scale_loss` (a discriminator's backward reaching the
+        generator), and `zero_grad` only reaches the masters. After a `delay_unscale` pass
+        nothing moves (gradients accumulate scaled, so DDP's last all-reduce sees all of them);
+        the gradients' identities and versions are recorded instead.
+        """
+        if self.stage is Stage.SCALING:
+            raise RuntimeError(
+                "ampx.scale_loss: this optimizer is already inside a scale_loss block; nest "
+                "no scale_loss blocks over the same optimizer (finish the first one)."
+            )
+        cache = self.cache(optimizer)
+        journal = Journal()
+        try:
+            if self.stage is Stage.SCALED:
+                marks = {id(p): grad_mark(p) for p in cache.models + cache.others}
+                journal.set(self, "_entry", (Stage.SCALED, marks))
+            else:
+                stash = {id(p): (p, p.grad) for p in cache.others if p.grad is not None}
+                dropped = {id(p): (p, p.grad) for p in cache.models if p.grad is not None}
+                journal.set(self, "_entry", (self.stage, None))
+                journal.set(self, "stash", stash)
+                journal.set(self, "dropped", dropped)
+                for param, _ in list(stash.values()) + list(dropped.values()):
+                    journal.set(param, "grad", None)
+            journal.set(self, "stage", Stage.SCALING)
+        except BaseException:
+            journal.rollback()
+            raise
+
+    def abort_backward(self, optimizer: torch.optim.Optimizer) -> None:
+        """SCALING -> the stage before: this pass's gradients are dropped, the stash restored.
+
+        After a `delay_unscale` pass the scaled gradients were accumulating in place; if the
+        aborted pass wrote into them (an exception after `backward()`), the accumulated update
+        is no longer what the completed passes produced, so it is dropped entirely and the
+        gradients of before the first delayed pass come back (logged as a warning).
+        """
+        if self.stage is not Stage.SCALING or self._entry is None:
+            return
+        before, marks = self._entry
+        cache = self.cache(optimizer)
+        touched = cache.models + cache.others
+        if before is Stage.SCALED and marks is not None:
+            if all(grad_mark(p) == marks.get(id(p)) for p in touched):
+                self.stage, self._entry = Stage.SCALED, None
+                return
+            logger.warning("ampx.scale_loss: an exception interrupted a backward that added "
+                           "into delay_unscale gradients; the partial update is dropped.")
+            before = self._before_delay
+        journal = Journal()
+        try:
+            for param in touched:
+                journal.set(param, "grad", None)
+            for param, grad in list(self.stash.values()) + list(self.dropped.values()):
+                journal.set(param, "grad", grad)
+            journal.set(self, "stash", {})
+            journal.set(self, "dropped", {})
+            journal.set(self, "_entry", None)
+            journal.set(self, "stage", before)
+        except BaseException:
+            journal.rollback()
+            raise
+
+    def commit_delayed(self, journal: Journal) -> None:
+        """SCALING -> SCALED (a `delay_unscale` pass): the scaled gradients stay in `.grad`."""
+        assert self._entry is not None  # set by begin_backward
+        if self._entry[0] is not Stage.SCALED:
+            journal.set(self, "_before_delay", self._entry[0])
+        journal.set(self, "_entry", None)
+        journal.set(self, "stage", Stage.SCALED)
+
+    def commit_unscale(self, journal: Journal, work: unscale.UnscaleWork,
+                       flag: torch.Tensor | None, loss_id: int | None,
+                       loss: torch.Tensor, per_tensor: torch.Tensor | None = None) -> None:
+        """SCALING -> UNSCALED: assign the computed gradients, the flag and the bookkeeping."""
+        for (param, _, _), grad in zip(work.assign, work.results):
+            journal.set(param, "grad", grad)
+        for model_param in work.clear:
+            journal.set(model_param, "grad", None)
+        for param, _ in self.dropped.values():
+            if param.grad is not None and all(param is not p for p in work.clear):
+                journal.set(param, "grad", None)
+        journal.set(self, "stash", {})
+        journal.set(self, "dropped", {})
+        journal.set(self, "_entry", None)
+        if flag is not None:
+            journal.set(self, "found_inf", flag)
+        if loss_id is not None:
+            journal.set(self, "loss_ids", self.loss_ids | {loss_id})
+            if per_tensor is not None:
+                journal.set(self, "overflow_flags",
+                            (*self.overflow_flags, (loss_id, work.flag_params, per_tensor)))
+        journal.set(self, "last_loss", loss)
+        journal.set(self, "stage", Stage.UNSCALED)
+
+    def next_flag(self, found: torch.Tensor) -> torch.Tensor:
+        """The step flag after folding in one pass's `found` (a fresh tensor)."""
+        if self.found_inf is None:
+            return found.clone()
+        return torch.maximum(self.found_inf, found.to(self.found_inf.device))
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Any stage but SCALING -> READY: the update is abandoned (`optimizer.zero_grad()`).
+
+        Releases the half model gradients behind masters (as apex's O2 zero_grad did), the
+        stash, the scaled-gradients mark and the pending overflow flag.
+        """
+        if self.stage is Stage.SCALING:
+            return
+        cache = self.cache(optimizer)
+        journal = Journal()
+        try:
+            for model_param in cache.models:
+                if model_param.grad is not None:
+                    journal.set(model_param, "grad", None)
+            for name, value in (("stash", {}), ("dropped", {}), ("found_inf", None),
+                                ("loss_ids", frozenset()), ("overflow_flags", ()),
+                                ("_decision", None),
+                                ("stage", Stage.READY)):
+                journal.set(self, name, value)
+        except BaseException:
+            journal.rollback()
+            raise
+
+    # -- transitions around step -----------------------------------------------------------
+    def decide_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> StepDecision:
+        """Before the optimizer's step: skip it or not (recorded; committed by `after_step`).
+
+        .. note:: Reads the device overflow flag with one `.item()`: the only host sync of a
+           step, and only when a checked `scale_loss` ran since the last step. Fused torch
+           optimizers that take `found_inf` (`_step_supports_amp_scaling`) get the device
+           flag instead and skip inside their kernel: no sync.
+        """
+        if self.stage in (Stage.SCALING, Stage.SCALED):
+            raise RuntimeError(
+                "optimizer.step() was called while gradients are still scaled: the last "
+                "scale_loss(..., delay_unscale=True) must be followed by a scale_loss without "
+                "delay_unscale before step()." if self.stage is Stage.SCALED else
+                "optimizer.step() was called inside a scale_loss block; step after the block."
+            )
+        if closure is not None and self.policy.scales:
+            raise RuntimeError(
+                "Currently, Amp does not support closure use with optimizers. "
+                "(ampx: step(closure) cannot be combined with loss scaling; run the closure's "
+                "loss through ampx.scale_loss and call step() without a closure.)"
+            )
+        self.cache(optimizer)
+        decision = StepDecision()
+        found = self.found_inf
+        if self.stage is Stage.UNSCALED and found is not None and self.policy.skips:
+            if getattr(optimizer, "_step_supports_amp_scaling", False):
+                decision.flag = found
+            else:
+                decision.skip = bool(found.item())  # the one host sync of a step
+        self._decision = decision
+        return decision
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the optimizer's step: copy masters to the model, then commit the step.
+
+        Rolls forward (the parameters already moved): if the copy kernel fails it is redone
+        on the reference path, the step is committed, and the error is re-raised.
+        """
+        decision = self._decision or StepDecision()
+        cache = self.cache(optimizer)
+        error: BaseException | None = None
+        if cache.pairs and not decision.skip:
+            error = _copy_masters(cache)
+        try:
+            if decision.skip:
+                self.policy.on_overflow(sorted(self.loss_ids))
+                self.policy.on_skip(optimizer, self)
+        finally:
+            self._commit_step(cache, decision)
+        self.policy.on_step(optimizer, self)
+        if error is not None:
+            raise error
+
+    def _commit_step(self, cache: ParamCache, decision: StepDecision) -> None:
+        for master in cache.masters:  # as apex: master grads are consumed by the step
+            master.grad = None
+        self.steps += 1
+        if decision.flag is not None:
+            flag = decision.flag.reshape(())
+            self._last_skip = flag > 0
+            self._skipped_device = (flag > 0).int() if self._skipped_device is None \
+                else self._skipped_device + (flag > 0).int()
+        else:
+            self._last_skip = decision.skip
+            self._skipped += int(decision.skip)
+        self.found_inf = None
+        self.loss_ids = frozenset()
+        self.overflow_flags = ()
+        self._decision = None
+        self.stage = Stage.READY
+
+
+def _copy_masters(cache: ParamCache) -> BaseException | None:
+    """Copy the masters into the half model params; on failure redo it with plain torch."""
+    from . import _ext
+
+    with torch.no_grad():
+        try:
+            _ext.copy_(cache.masters, cache.models)
+            return None
+        except BaseException as exc:
+            for master, model in zip(cache.masters, cache.models):
+                model.copy_(master)
+            return exc
+
 
 def amp_state_of(optimizer: Any) -> OptimizerAmpState | None:
     """The ampx state of an optimizer, or None if it never went through initialize."""
-    return getattr(optimizer, _ATTR, None)
+    return getattr(optimizer, ATTR, None)
 
 
-@dataclass(eq=False)
-class ParamCache:
-    """The per-step views of one optimizer's parameters, rebuilt only when its groups change.
-
-    Attributes:
-        signature: What the cache was built from (group lists, lengths, end points).
-        params: Every parameter of every group, in order.
-        pairs: (half model parameter, fp32 master) for the masters this optimizer steps.
-        models: The half model parameters of `pairs`.
-        masters: The fp32 masters of `pairs`.
-        others: The parameters that are not masters (the optimizer steps them directly).
-        copy_groups: (masters, models) lists per device, for the master->model copy.
-    """
-
-    signature: tuple
-    params: list[torch.Tensor]
-    pairs: list[tuple[torch.Tensor, torch.Tensor]]
-    models: list[torch.Tensor]
-    masters: list[torch.Tensor]
-    others: list[torch.Tensor]
-    copy_groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]]
-
-
-def _signature(optimizer: torch.optim.Optimizer) -> tuple:
-    sig = []
-    for group in optimizer.param_groups:
-        params = group["params"]
-        sig.append((id(params), len(params), id(params[0]) if params else 0,
-                    id(params[-1]) if params else 0))
-    return tuple(sig)
-
-
-def param_cache(optimizer: torch.optim.Optimizer, state: OptimizerAmpState) -> ParamCache:
-    """The cached parameter views of `optimizer` (rebuilt when its param groups changed).
-
-    Only the masters held by *this* optimizer are paired with model parameters: with several
-    optimizers (a GAN's generator and discriminator) each one unscales, copies and releases
-    its own masters only.
-    """
-    sig = _signature(optimizer)
-    cache = state._cache
-    if cache is not None and cache.signature == sig:
-        return cache
-    params = list(optimizer_params(optimizer))
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    if len(state.masters):
-        by_master = {id(master): model for model, master in state.masters.pairs()}
-        pairs = [(by_master[id(p)], p) for p in params if id(p) in by_master]
-    master_ids = {id(m) for _, m in pairs}
-    others = [p for p in params if id(p) not in master_ids]
-    models = [m for m, _ in pairs]
-    masters = [m for _, m in pairs]
-    cache = ParamCache(sig, params, pairs, models, masters, others,
-                       _group_pairs(masters, models))
-    state._cache = cache
-    return cache
-
-
-def check_optimizers(optimizers: Any) -> tuple[list[torch.optim.Optimizer], bool]:
-    """Normalise `optimizers` to a list; returns (optimizers, was_list).
-
-    Raises:
-        TypeError: For anything but an optimizer, a list of them, or None.
-        RuntimeError: For an optimizer already passed through initialize (apex's message).
-    """
-    if optimizers is None:
-        return [], False
-    if isinstance(optimizers, torch.optim.Optimizer):
-        out, was_list = [optimizers], False
-    elif isinstance(optimizers, list) and all(
-        isinstance(o, torch.optim.Optimizer) for o in optimizers
-    ):
-        out, was_list = list(optimizers), True
-    else:
-        raise TypeError(
-            "optimizers must be either a single optimizer or a list of optimizers. "
-            f"ampx.initialize got {type(optimizers).__name__}."
-        )
-    if len({id(o) for o in out}) != len(out):
-        raise RuntimeError("ampx.initialize: the same optimizer appears twice in the list.")
-    for opt in out:
-        if amp_state_of(opt) is not None:
-            raise RuntimeError(
-                "A given optimizer should only be passed through amp.initialize once."
-            )
-        for name in _APEX_ATTRS:
-            if hasattr(opt, name):
-                raise RuntimeError(f"Incoming optimizer already has {name} defined.")
-    return out, was_list
-
-
-def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    """Every parameter of every group, in order."""
-    for group in optimizer.param_groups:
-        yield from group["params"]
-
-
-def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The parameters the optimizer steps: the fp32 masters at O2, valid right after initialize.
 
     Clip gradients over these (not `model.parameters()`): after `scale_loss` they hold the
@@ -190,274 +436,5 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """
     state = amp_state_of(optimizer)
     if state is not None:
-        adopt_new_groups(optimizer, state)
-    return optimizer_params(optimizer)
-
-
-def attach(optimizer: torch.optim.Optimizer, session: Amp, masters: MasterMap) -> None:
-    """Give `optimizer` its ampx state and step hooks."""
-    state = OptimizerAmpState(session=session, masters=masters)
-    state._groups_seen = len(optimizer.param_groups)
-    state.handles.append(optimizer.register_step_pre_hook(_step_pre_hook))
-    state.handles.append(optimizer.register_step_post_hook(_step_post_hook))
-    setattr(optimizer, _ATTR, state)
-
-
-def recast_state(optimizer: torch.optim.Optimizer) -> None:
-    """Cast existing per-parameter state to each parameter's dtype (O3 casts params in place)."""
-    for param, pstate in optimizer.state.items():
-        for key, value in list(pstate.items()):
-            if (key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
-                    and value.dtype != param.dtype and value.shape == param.shape):
-                pstate[key] = value.to(param.dtype)
-
-
-# -- new parameter groups -------------------------------------------------------------------
-
-def adopt_new_groups(optimizer: torch.optim.Optimizer, state: OptimizerAmpState) -> None:
-    """Give half parameters added by `add_param_group` after initialize their fp32 masters.
-
-    Runs when the number of groups changed since the last check; new half parameters are
-    replaced in the group by fp32 masters (apex's patched add_param_group did the same).
-    """
-    groups = optimizer.param_groups
-    if len(groups) == state._groups_seen:
-        return
-    if state.session.properties.master_weights:
-        for group in groups[state._groups_seen:]:
-            params = group["params"]
-            for i, param in enumerate(params):
-                known = state.masters.master_of(param)
-                if known is not None:
-                    params[i] = known
-                elif param.is_floating_point() and param.dtype != torch.float32:
-                    master = torch.nn.Parameter(param.detach().float(),
-                                                requires_grad=param.requires_grad)
-                    state.masters.add(param, master)
-                    params[i] = master
-    state._groups_seen = len(groups)
-    state._cache = None
-
-
-# -- around backward ----------------------------------------------------------------------------
-
-def prepare_backward(optimizer: torch.optim.Optimizer, state: OptimizerAmpState) -> None:
-    """Before a scaled backward: move existing gradients aside so backward writes only its own.
-
-    Parameters the optimizer steps directly have their gradient stashed (restored, added to
-    this pass's unscaled gradient, by `post_backward`). The half model parameters behind this
-    optimizer's masters have their gradient dropped, as apex did: anything there was not
-    produced through this optimizer's `scale_loss` (for example a discriminator's backward
-    reaching the generator in a GAN), and `zero_grad` only reaches the masters. Skipped while
-    scaled gradients from `delay_unscale` wait.
-    """
-    adopt_new_groups(optimizer, state)
-    if state.scaled_grads_pending:
-        return
-    cache = param_cache(optimizer, state)
-    for model_param in cache.models:
-        model_param.grad = None
-    stash = state.stash
-    for param in cache.others:
-        grad = param.grad
-        if grad is not None:
-            stash[id(param)] = (param, grad)
-            param.grad = None
-
-
-def restore_stash(state: OptimizerAmpState) -> None:
-    """Put stashed gradients back (used when the backward inside scale_loss raised)."""
-    for param, grad in state.stash.values():
-        param.grad = grad
-    state.stash.clear()
-
-
-def post_backward(
-    optimizer: torch.optim.Optimizer,
-    state: OptimizerAmpState,
-    inv_scale: torch.Tensor,
-    found_inf: torch.Tensor,
-) -> None:
-    """After a scaled backward: unscale this pass's gradients into the right place.
-
-    - half model params with fp32 masters: `master.grad (+)= model.grad * inv_scale` in one
-      pass, then the half gradient is released;
-    - other params: unscale in place, or add onto the stashed earlier gradient.
-    All non-finite values are flagged in `found_inf` (a float32 [1] device tensor); nothing
-    here synchronises with the host.
-    """
-    cache = param_cache(optimizer, state)
-    fresh_src: list[torch.Tensor] = []
-    fresh_dst: list[torch.Tensor] = []
-    acc_src: list[torch.Tensor] = []
-    acc_dst: list[torch.Tensor] = []
-    in_place: list[torch.Tensor] = []
-    for model_param, master in cache.pairs:
-        grad = model_param.grad
-        if grad is None:
-            continue
-        master_grad = master.grad
-        if master_grad is None:
-            master_grad = torch.empty_like(master)
-            master.grad = master_grad
-            fresh_src.append(grad)
-            fresh_dst.append(master_grad)
-        else:
-            acc_src.append(grad)
-            acc_dst.append(master_grad)
-        model_param.grad = None
-    stash = state.stash
-    for param in cache.others:
-        grad = param.grad
-        stashed = stash.pop(id(param), None) if stash else None
-        if grad is None:
-            if stashed is not None:
-                param.grad = stashed[1]
-            continue
-        if stashed is None:
-            in_place.append(grad)
-        else:
-            acc_src.append(grad)
-            acc_dst.append(stashed[1])
-            param.grad = stashed[1]
-    if stash:
-        restore_stash(state)  # params that left this optimizer's groups, if any
-    # Gradients on another device than the flag (model parallel) get their own flag tensor,
-    # merged back after the kernels ran.
-    side_flags: list[torch.Tensor] = []
-    for src, dst, accumulate in ((fresh_src, fresh_dst, False), (acc_src, acc_dst, True)):
-        for (s_group, d_group) in _group_pairs(src, dst):
-            _ext.unscale_into_(_local_shards(s_group), _local_shards(d_group),
-                               _on(inv_scale, s_group[0]),
-                               _found_for(found_inf, s_group[0], side_flags),
-                               accumulate=accumulate)
-    for group in _group_by_device(in_place):
-        _ext.unscale_(_local_shards(group), _on(inv_scale, group[0]),
-                      _found_for(found_inf, group[0], side_flags))
-    for side in side_flags:
-        torch.maximum(found_inf, side.to(found_inf.device), out=found_inf)
-
-
-def _local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Kernels get plain tensors: a DTensor gradient (FSDP2) is replaced by its local shard.
-
-    The shard is a view of the DTensor's storage, so in-place results land in the gradient;
-    ranks then agree on the overflow flag through `Amp.synchronize_found_inf`.
-    """
-    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-
-
-def _found_for(found_inf: torch.Tensor, like: torch.Tensor,
-               side_flags: list[torch.Tensor]) -> torch.Tensor:
-    if like.device == found_inf.device:
-        return found_inf
-    side = torch.zeros(1, dtype=torch.float32, device=like.device)
-    side_flags.append(side)
-    return side
-
-
-def _on(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.device == like.device else tensor.to(like.device)
-
-
-def _group_by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    if not tensors:
-        return []
-    first = tensors[0].device
-    if all(t.device == first for t in tensors):
-        return [tensors]
-    groups: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.device, []).append(t)
-    return list(groups.values())
-
-
-def _group_pairs(src: list[torch.Tensor], dst: list[torch.Tensor]
-                 ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    if not src:
-        return []
-    first = src[0].device
-    if all(s.device == first and d.device == first for s, d in zip(src, dst)):
-        return [(src, dst)]
-    groups: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for s, d in zip(src, dst):
-        pair = groups.setdefault(s.device, ([], []))
-        pair[0].append(s)
-        pair[1].append(d)
-    return list(groups.values())
-
-
-def note_found_inf(state: OptimizerAmpState, found_inf: torch.Tensor) -> None:
-    """Fold one backward's overflow flag into the optimizer's flag for its next step."""
-    if state.found_inf is None:
-        state.found_inf = found_inf.clone()
-    else:
-        torch.maximum(state.found_inf, found_inf.to(state.found_inf.device), out=state.found_inf)
-    state.pending = True
-
-
-# -- step hooks ----------------------------------------------------------------------------------
-
-def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    """Decide whether this step is skipped.
-
-    .. note:: Reads the device overflow flag with one `.item()`: the only host sync of a
-       step, and only when a `scale_loss` that checks for overflow ran since the last step.
-    """
-    state = amp_state_of(optimizer)
-    if state is None:
-        return
-    state._step_started = time.perf_counter()
-    state._skip_now = False
-    if state.scaled_grads_pending:
-        raise RuntimeError(
-            "optimizer.step() was called while gradients are still scaled: the last "
-            "scale_loss(..., delay_unscale=True) must be followed by a scale_loss without "
-            "delay_unscale before step()."
-        )
-    closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
-    if closure is not None and state.session.scales_gradients:
-        raise RuntimeError(
-            "Currently, Amp does not support closure use with optimizers. "
-            "(ampx: step(closure) cannot be combined with loss scaling; run the closure's "
-            "loss through ampx.scale_loss and call step() without a closure.)"
-        )
-    adopt_new_groups(optimizer, state)
-    if not state.pending:
-        return
-    state.pending = False
-    found = state.found_inf
-    if found is None:  # pending is only set together with found_inf
-        return
-    session = state.session
-    skip = bool(found.item())  # the one host sync of a step
-    found.zero_()
-    if skip:
-        state._skip_now = True
-        for param in param_cache(optimizer, state).params:
-            param.grad = None
-        for loss_id in sorted(state.loss_ids):
-            session.scalers[loss_id].report_overflow()
-    state.loss_ids.clear()
-
-
-def _step_post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    """Record the step's result; at O2 copy the masters into the half model parameters."""
-    state = amp_state_of(optimizer)
-    if state is None:
-        return
-    skipped = state._skip_now
-    state._skip_now = False
-    state.last_step_skipped = skipped
-    state.steps += 1
-    if skipped:
-        state.skipped_steps += 1
-    cache = param_cache(optimizer, state)
-    if cache.pairs:
-        if not skipped:
-            with torch.no_grad():
-                for masters, models in cache.copy_groups:
-                    _ext.copy_(masters, models)
-        for master in cache.masters:  # as apex: master grads are consumed by the step
-            master.grad = None
-    state.session.record_step(optimizer, state, skipped)
+        state.cache(optimizer)
+    return list(optimizer_params(optimizer))

@@ -23,23 +23,25 @@ from typing import Any
 
 import torch
 
-from . import _ext
+from . import _ext, checkpoint
+from ._journal import Journal
 from .opt_levels import LossScale
 
 __all__ = ["LossScaler", "STATE_VERSION"]
 
 logger = logging.getLogger("ampx")
 
-STATE_VERSION = 1
-# Saved for information and mismatch reports; the session's configuration stays in force.
-_POLICY_FIELDS = ("hysteresis", "growth_factor", "backoff_factor", "growth_interval",
-                  "min_loss_scale", "max_loss_scale")
+STATE_VERSION = checkpoint.STATE_VERSION
 _STATIC_INTERVAL = 2**31 - 1  # a static scaler never grows; it only counts clean steps
 _LOG_INTERVAL_S = 30.0  # overflow messages after the first few are rate-limited to this
 _LOG_FIRST = 3  # overflow messages always logged before rate limiting starts
-# Without a min_loss_scale the scale still never reaches 0 (apex's halving ran into 0, after
-# which the unscale multiplied by inf and every later step was NaN).
-_TINY_SCALE = 2.0**-126
+# Without a min_loss_scale the scale backs off no lower than 1.0 (DeepSpeed's floor). apex's
+# halving ran into 0; a floor like 2**-126 is no better: every fp16 gradient underflows to 0
+# there, steps look clean, and growing back takes ~250k steps. At 1.0 gradients are plain fp16
+# values, training goes on, and the scale grows back by growth_factor per growth_interval.
+_DEFAULT_FLOOR = 1.0
+_TENSORS = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_overflows_since_report",
+            "_scale_before_overflow")
 
 
 class LossScaler:
@@ -62,7 +64,7 @@ class LossScaler:
         backoff_factor: Backoff multiplier.
         growth_interval: Clean steps between growths (apex's scale window).
         hysteresis: Overflows tolerated before backing off (DeepSpeed's meaning).
-        min_loss_scale: Floor (None: no floor).
+        min_loss_scale: Floor (None: 1.0, or the start scale when that is lower).
         max_loss_scale: Ceiling.
         loss_id: The index of this scaler, for messages.
         device: Where the state lives; moved to the gradients' device on first use.
@@ -98,6 +100,7 @@ class LossScaler:
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = float(max_loss_scale)
         self.loss_id = loss_id
+        self._start = float(start)
         device = torch.device(device)
         self._scale = torch.full((1,), start, dtype=torch.float32, device=device)
         self._growth_tracker = torch.zeros(1, dtype=torch.int32, device=device)
@@ -119,8 +122,7 @@ class LossScaler:
     def to_(self, device: torch.device) -> None:
         """Move the state to `device` (done once, on first use with the gradients' device)."""
         if device != self._scale.device:
-            for name in ("_scale", "_growth_tracker", "_hysteresis_tracker",
-                         "_overflows_since_report", "_scale_before_overflow"):
+            for name in _TENSORS:
                 setattr(self, name, getattr(self, name).to(device))
 
     # -- the hot path (no host sync) ------------------------------------------------------
@@ -140,68 +142,104 @@ class LossScaler:
 
     def update_(self, found_inf: torch.Tensor) -> None:
         """Update the scale after one backward pass; `found_inf` is a float32 [1] flag."""
+        journal = Journal()
+        new = self.next_state(found_inf)
+        try:
+            self.commit(journal, new)
+        except BaseException:
+            journal.rollback()
+            raise
+
+    @property
+    def floor(self) -> float:
+        """The lowest scale a backoff reaches: `min_loss_scale`, or 1.0 (or the start scale
+        when that is below 1) without one."""
+        if self.min_loss_scale is not None:
+            return float(self.min_loss_scale)
+        return min(_DEFAULT_FLOOR, self._start)
+
+    def next_state(self, found_inf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The state after one backward pass with flag `found_inf`, as fresh tensors.
+
+        Nothing of the scaler changes; `commit` installs the result (the transactional half
+        of `update_`, used by the scaled-backward protocol).
+        """
         found = found_inf if found_inf.device == self.device else found_inf.to(self.device)
+        new = {name: getattr(self, name).clone() for name in _TENSORS}
         # remember the scale in force before the first overflow not yet reported (for the log)
-        torch.where(self._overflows_since_report > 0, self._scale_before_overflow, self._scale,
-                    out=self._scale_before_overflow)
-        torch.maximum(self._overflows_since_report, found, out=self._overflows_since_report)
+        new["_scale_before_overflow"] = torch.where(
+            self._overflows_since_report > 0, self._scale_before_overflow, self._scale)
+        new["_overflows_since_report"] = torch.maximum(self._overflows_since_report, found)
         if self.dynamic:
-            floor = self.min_loss_scale if self.min_loss_scale is not None else _TINY_SCALE
-            _ext.update_scale_(
-                self._scale, self._growth_tracker, self._hysteresis_tracker, found,
-                self.growth_factor, self.backoff_factor, self.growth_interval, self.hysteresis,
-                floor, self.max_loss_scale,
-            )
+            rule = (self.growth_factor, self.backoff_factor, self.growth_interval,
+                    self.hysteresis, self.floor, self.max_loss_scale)
         else:
-            _ext.update_scale_(
-                self._scale, self._growth_tracker, self._hysteresis_tracker, found,
-                1.0, 1.0, _STATIC_INTERVAL, 1, 0.0, math.inf,
-            )
+            rule = (1.0, 1.0, _STATIC_INTERVAL, 1, 0.0, math.inf)
+        _ext.update_scale_(new["_scale"], new["_growth_tracker"], new["_hysteresis_tracker"],
+                           found, *rule)
+        return new
+
+    def commit(self, journal: Journal, new: Mapping[str, torch.Tensor]) -> None:
+        """Install a state made by `next_state` (or a checkpoint load) through `journal`."""
+        for name in _TENSORS:
+            if name in new:
+                journal.set(self, name, new[name])
 
     # -- host-side reporting (syncs; called only on the overflow path) ------------------------
-    def report_overflow(self) -> None:
+    def report_overflow(self, where: str = "") -> tuple[float, float] | None:
         """Log an overflow seen at step time, rate-limited, and warn at the floor.
 
         The first few overflows are logged (logger "ampx", INFO) with the loss id, the old and
         the new scale; later ones at most once per 30 s, with a count of the suppressed ones.
         A WARNING is logged once each time a dynamic scale reaches its floor.
 
+        Args:
+            where: Inserted after "Gradient overflow" (e.g. " in fc2.weight").
+
+        Returns:
+            (old scale, new scale) when this scaler had an overflow to report, else None.
+
         .. note:: Reads the flag and the scales: host syncs, only on steps that overflowed.
         """
         if not bool(self._overflows_since_report.item()):
-            return
+            return None
         self._overflows_since_report.zero_()
         self.overflow_count += 1
         old_scale = float(self._scale_before_overflow.item())
         new_scale = self.loss_scale()
         now = time.monotonic()
         if self.overflow_count <= _LOG_FIRST or now - self._last_log >= _LOG_INTERVAL_S:
-            extra = f" ({self._suppressed} similar messages suppressed)" if self._suppressed else ""
-            if not self.dynamic:
-                logger.info("Non-finite gradients.  Skipping step, loss scaler %d keeps its "
-                            "static loss scale %s%s", self.loss_id, new_scale, extra)
-            elif new_scale < old_scale:
-                logger.info(
-                    "Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to "
-                    "%s (was %s)%s", self.loss_id, new_scale, old_scale, extra,
-                )
-            else:
-                logger.info(
-                    "Gradient overflow.  Skipping step, loss scaler %d keeps loss scale %s "
-                    "(hysteresis=%d: more overflows are tolerated before backing off)%s",
-                    self.loss_id, new_scale, self.hysteresis, extra,
-                )
+            self._log_overflow(old_scale, new_scale, where)
             self._last_log, self._suppressed = now, 0
         else:
             self._suppressed += 1
-        floor = self.min_loss_scale if self.min_loss_scale is not None else _TINY_SCALE
-        at_floor = new_scale <= floor
+        self._warn_at_floor(new_scale)
+        return old_scale, new_scale
+
+    def _log_overflow(self, old_scale: float, new_scale: float, where: str) -> None:
+        extra = f" ({self._suppressed} similar messages suppressed)" if self._suppressed else ""
+        if not self.dynamic:
+            logger.info("Non-finite gradients%s.  Skipping step, loss scaler %d keeps its "
+                        "static loss scale %s%s", where, self.loss_id, new_scale, extra)
+        elif new_scale < old_scale:
+            logger.info("Gradient overflow%s.  Skipping step, loss scaler %d reducing loss "
+                        "scale to %s (was %s)%s", where, self.loss_id, new_scale, old_scale,
+                        extra)
+        else:
+            logger.info("Gradient overflow%s.  Skipping step, loss scaler %d keeps loss scale "
+                        "%s (hysteresis=%d: more overflows are tolerated before backing off)%s",
+                        where, self.loss_id, new_scale, self.hysteresis, extra)
+
+    def _warn_at_floor(self, new_scale: float) -> None:
+        at_floor = new_scale <= self.floor
         if self.dynamic and at_floor and not self._floor_warned:
             self._floor_warned = True
             logger.warning(
-                "ampx: loss scaler %d reached its minimum scale %s; gradients keep overflowing. "
-                "Look for a layer producing inf/NaN, lower the learning rate, or use bf16.",
-                self.loss_id, new_scale,
+                "ampx: loss scaler %d reached its minimum scale %s after an overflow; it backs "
+                "off no further. Steps with inf/NaN gradients are still skipped, and the scale "
+                "grows again after %d clean steps. If steps keep being skipped at this scale, "
+                "look for a layer producing inf/NaN, lower the learning rate, or use bf16.",
+                self.loss_id, new_scale, self.growth_interval,
             )
         elif not at_floor:
             self._floor_warned = False
@@ -271,103 +309,15 @@ class LossScaler:
             "max_loss_scale": self.max_loss_scale,
         }
 
-    @staticmethod
-    def validate_state(state: Any, key: str) -> dict[str, Any]:
-        """Check one `loss_scalerN` entry; returns it as a dict or raises naming the key."""
-        if not isinstance(state, Mapping):
-            raise ValueError(
-                f"ampx.load_state_dict: {key!r} must be a dict with 'loss_scale' and "
-                f"'unskipped'; got {type(state).__name__}."
-            )
-        for field in ("loss_scale", "unskipped"):
-            if field not in state:
-                raise ValueError(f"ampx.load_state_dict: {key!r} has no {field!r} entry.")
-        scale = state["loss_scale"]
-        if isinstance(scale, torch.Tensor):
-            scale = float(scale.item())
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
-            math.isfinite(scale) and scale > 0
-        ):
-            raise ValueError(
-                f"ampx.load_state_dict: {key}['loss_scale'] must be a positive finite number; "
-                f"got {state['loss_scale']!r}."
-            )
-        unskipped = state["unskipped"]
-        if isinstance(unskipped, bool) or not isinstance(unskipped, int) or unskipped < 0:
-            raise ValueError(
-                f"ampx.load_state_dict: {key}['unskipped'] must be a non-negative int; "
-                f"got {unskipped!r}."
-            )
-        version = state.get("version", 0)
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(
-                f"ampx.load_state_dict: {key}['version'] must be a non-negative int; "
-                f"got {version!r}."
-            )
-        if version > STATE_VERSION:
-            raise ValueError(
-                f"ampx.load_state_dict: {key}['version']={version!r} is newer than this ampx "
-                f"understands ({STATE_VERSION}); upgrade ampx."
-            )
-        dynamic = state.get("dynamic")
-        if dynamic is not None and not isinstance(dynamic, bool):
-            raise ValueError(f"ampx.load_state_dict: {key}['dynamic'] must be a bool; "
-                             f"got {dynamic!r}.")
-        tracker = state.get("hysteresis_tracker")
-        if tracker is not None and (isinstance(tracker, bool) or not isinstance(tracker, int)
-                                    or tracker < 0):
-            raise ValueError(f"ampx.load_state_dict: {key}['hysteresis_tracker'] must be a "
-                             f"non-negative int; got {tracker!r}.")
-        for field in _POLICY_FIELDS:
-            value = state.get(field)
-            if value is not None and (isinstance(value, bool)
-                                      or not isinstance(value, (int, float))):
-                raise ValueError(f"ampx.load_state_dict: {key}[{field!r}] must be a number; "
-                                 f"got {value!r}.")
-        return dict(state, loss_scale=float(scale))
-
-    def check_state(self, state: Any, key: str = "loss_scaler") -> dict[str, Any]:
-        """Validate an entry for this scaler without applying it.
-
-        Returns:
-            The entry as a dict, ready for `load_state_dict`.
-
-        Raises:
-            ValueError: Naming the key, for a malformed entry or one saved by a scaler of the
-                other kind (dynamic vs static).
-        """
-        checked = self.validate_state(state, key)
-        dynamic = checked.get("dynamic")
-        if dynamic is not None and dynamic != self.dynamic:
-            saved = "dynamic" if dynamic else f"static (loss_scale={checked['loss_scale']})"
-            mine = "dynamic" if self.dynamic else f"static (loss_scale={self.loss_scale()})"
-            raise ValueError(
-                f"ampx.load_state_dict: {key} was saved by a {saved} loss scaler, but loss "
-                f"scaler {self.loss_id} of this session is {mine}. Initialize with the same "
-                "loss_scale and dtype as the run that saved it, or don't load the amp state "
-                "to start scaling afresh."
-            )
-        differs = {f: checked[f] for f in _POLICY_FIELDS
-                   if f in checked and checked[f] != getattr(self, f)}
-        if differs and self.dynamic:
-            logger.info("ampx.load_state_dict: %s was saved with %s; keeping this session's "
-                        "settings.", key, differs)
-        return checked
-
     def load_state_dict(self, state: Mapping[str, Any], key: str = "loss_scaler") -> None:
         """Load an entry made by `state_dict()` or by apex (`loss_scale`, `unskipped` only).
 
         The scaling policy (dynamic flag, factors, bounds) stays the one this session was
-        configured with; the checkpoint restores the trajectory (scale and counters).
+        configured with; the checkpoint restores the trajectory (scale and counters). See
+        `ampx.checkpoint` for what is checked.
 
         Raises:
-            ValueError: Naming the key, for a malformed or mismatched entry; nothing is
-                changed then.
+            ampx.CheckpointError: Naming the key, for a malformed or mismatched entry;
+                nothing is changed then.
         """
-        checked = self.check_state(state, key)
-        self._scale.fill_(checked["loss_scale"])
-        self._growth_tracker.fill_(checked["unskipped"])
-        tracker = checked.get("hysteresis_tracker")
-        self._hysteresis_tracker.fill_(self.hysteresis if tracker is None else tracker)
-        self._overflows_since_report.zero_()
-        self._scale_before_overflow.copy_(self._scale)
+        checkpoint.load([self], {"loss_scaler0": state}, names=[key])

@@ -208,12 +208,13 @@ def test_threshold_holds_the_scale_without_raising() -> None:
 
 
 def test_floating_point_error_without_a_floor() -> None:
-    _, model, wrapper = build("O2", init_scale=2.0**-23)
+    """Without min_loss_scale the scaler backs off no lower than 1.0: raised there."""
+    _, model, wrapper = build("O2", init_scale=4.0)
     x, y = data()
     with pytest.raises(OverflowError):
-        update(model, wrapper, x, y, poison=True)  # 2**-24
-    with pytest.raises(FloatingPointError):
-        update(model, wrapper, x, y, poison=True)  # 2**-25 underflows every fp16 gradient
+        update(model, wrapper, x, y, poison=True)  # 2.0
+    with pytest.raises(FloatingPointError, match=r"\(1\.0\)"):
+        update(model, wrapper, x, y, poison=True)  # 1.0: the default floor
 
 
 def test_floating_point_error_when_steps_are_not_skipped() -> None:

@@ -20,11 +20,9 @@ How an update flows (the default mode):
   `FloatingPointError` is raised instead.
 
 `memory_efficient=True` is fairseq's MemoryEfficientFP16Optimizer idea for half-precision
-parameters without fp32 masters (O3, or O2 with `master_weights=False`): gradients stay scaled
-in half precision, and at `step` each parameter is stepped with float32 math: its gradient is
-unscaled into float32 on the fly, the optimizer runs on float32 values and keeps float32 state,
-and the result is rounded back into the half parameter. Any `torch.optim` optimizer whose state
-is created like its parameters works (SGD, Adam, AdamW, Adagrad, RMSprop, ...).
+parameters without fp32 masters (O3, or O2 with `master_weights=False`); both modes are
+strategies in `ampx.compat.strategies`. The wrapper never touches the optimizer's ampx state
+itself: it uses the session's scaled-backward transitions (`ampx.optimizer`).
 
 Example::
 
@@ -46,37 +44,21 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from .. import _ext
+from ..distributed import aggregate_dtensor_norm, local
 from ..frontend import Amp
-from ..optimizer import amp_state_of, optimizer_params
+from ..masters import optimizer_params
 from ..scaler import LossScaler
+from .strategies import Factor, MemoryEfficientStrategy, Strategy, make_strategy
 
 __all__ = ["AmpOptimizer"]
 
-_HALF = (torch.float16, torch.bfloat16)
 _STATE_KEY = "ampx"  # our entry in state_dict(); "loss_scale" is fairseq's own key
 _STATE_VERSION = 1
-_UNDERFLOW_SCALE = 2.0**-24  # below this every scaled fp16 gradient is zero
-
-Factor = Union[float, torch.Tensor]
-
-_DTensor: Any
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # pragma: no cover - torch without distributed
-    _DTensor = None
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    return _DTensor is not None and isinstance(tensor, _DTensor)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
 class AmpOptimizer:
@@ -91,7 +73,7 @@ class AmpOptimizer:
             when at least this fraction of the updates since the last rescale overflowed.
             With 0 every overflow backs off (ampx's rule; see also `hysteresis`).
         min_loss_scale: `FloatingPointError` is raised when an overflow leaves the dynamic scale
-            at or below this (default: the scaler's `min_loss_scale`; without one, 2**-24).
+            at or below this (default: the scaler's floor: `min_loss_scale`, or 1.0).
         memory_efficient: Step half parameters with float32 math instead of fp32 masters.
 
     Raises:
@@ -122,77 +104,28 @@ class AmpOptimizer:
         min_loss_scale: float | None = None,
         memory_efficient: bool = False,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                "AmpOptimizer: expected a torch.optim.Optimizer; got "
-                f"{type(optimizer).__module__}.{type(optimizer).__name__}."
-            )
-        state = amp_state_of(optimizer)
-        if amp is None:
-            if state is None:
-                raise TypeError(
-                    "AmpOptimizer needs an optimizer passed through ampx.Amp.initialize() (or "
-                    "amp=... in memory_efficient mode); got "
-                    f"{type(optimizer).__module__}.{type(optimizer).__name__}."
-                )
-            amp = state.session
-        if state is not None and state.session is not amp:
-            raise ValueError(
-                "AmpOptimizer: this optimizer was initialized by another Amp session; pass that "
-                "session (or amp=None)."
-            )
-        if not 0 <= loss_id < len(amp.scalers):
-            raise ValueError(
-                f"AmpOptimizer: loss_id={loss_id} but the session has {len(amp.scalers)} loss "
-                "scaler(s) (num_losses)."
-            )
         if isinstance(tolerance, bool) or not (isinstance(tolerance, (int, float))
                                                 and tolerance >= 0):
             raise ValueError(f"AmpOptimizer: tolerance={tolerance!r} must be a number >= 0.")
+        self._strategy: Strategy = make_strategy(optimizer, amp, loss_id, memory_efficient)
         self._optimizer = optimizer
-        self.amp = amp
+        self.amp = self._strategy.amp
         self.loss_id = loss_id
         self.tolerance = float(tolerance)
         self.min_loss_scale = min_loss_scale
         self.memory_efficient = bool(memory_efficient)
-        if self.memory_efficient:
-            self._check_memory_efficient(state)
-        elif state is None and amp.enabled:
-            raise TypeError(
-                "AmpOptimizer needs an optimizer passed through amp.initialize(); got one "
-                "that was not (pass memory_efficient=True for a plain optimizer over half "
-                "parameters)."
-            )
         # per-update state
         self._factor: Factor = 1.0
         self._needs_sync = False
         self._decided = False
         self._last_loss: torch.Tensor | None = None
         self._scale_before: torch.Tensor | None = None
-        self._found: torch.Tensor | None = None  # memory-efficient mode's overflow flag
-        self._local_norm: torch.Tensor | None = None  # memory-efficient mode, scaled grads
         # counters, saved in state_dict (fairseq's DynamicLossScaler bookkeeping)
         self.steps = 0
         self.skipped_steps = 0
         self._iter = 0
         self._last_rescale_iter = -1
         self._overflows_since_rescale = 0
-
-    def _check_memory_efficient(self, state: Any) -> None:
-        amp = self.amp
-        if not amp.enabled:
-            raise ValueError("AmpOptimizer(memory_efficient=True) needs an enabled Amp session.")
-        if amp.properties.master_weights or (state is not None and len(state.masters)):
-            raise ValueError(
-                "AmpOptimizer(memory_efficient=True) replaces fp32 master weights; the session "
-                f"uses them ({amp.properties.opt_level.value}). Use opt_level='O3' (with "
-                "loss_scale='dynamic' for fp16) or O2 with master_weights=False."
-            )
-        if not any(p.dtype in _HALF for p in optimizer_params(self._optimizer)):
-            raise ValueError(
-                "AmpOptimizer(memory_efficient=True) is for half-precision parameters (O3, or O2 "
-                "with master_weights=False); these are all float32: use the default mode."
-            )
 
     # -- views -------------------------------------------------------------------------------
     @property
@@ -254,12 +187,7 @@ class AmpOptimizer:
                 "AmpOptimizer.backward: this update was already checked by clip_grad_norm(); "
                 "call step() (or zero_grad()) before the next backward."
             )
-        if self.memory_efficient:
-            self.scaler.scale_loss_value(loss).backward()
-        else:
-            with self.amp.scale_loss(loss, self._optimizer, loss_id=self.loss_id,
-                                     delay_unscale=True) as scaled:
-                scaled.backward()
+        self._strategy.backward(loss)
         self._last_loss = loss.detach()
         self._needs_sync = True
 
@@ -306,11 +234,14 @@ class AmpOptimizer:
         .. note:: Reads the overflow flag and the norm with one host sync per update.
         """
         self._sync()
-        norm = self._local_norm if self._local_norm is not None else _total_norm(self._grads())
+        norm = self._strategy.local_norm
+        if norm is None:
+            total = _ext.l2norm(self._grads()) if self._grads() else torch.zeros(())
+            norm = total if isinstance(total, torch.Tensor) else total[0]
         if aggregate_norm_fn is not None:
             norm = aggregate_norm_fn(norm)
         else:
-            norm = _aggregate_dtensor_norm(norm, self._grads())
+            norm = aggregate_dtensor_norm(norm, self._grads())
         norm = norm * self._factor
         self._decide(norm)
         if max_norm > 0:
@@ -343,26 +274,14 @@ class AmpOptimizer:
             self.multiply_grads(1.0 / scale)
         self._decide(None)
         try:
-            if self.memory_efficient:
-                self._step_fp32()
-            else:
-                self._apply_factor()
-                self._optimizer.step()
+            self._strategy.step(self._factor)
             self.steps += 1
         finally:
             self._reset()
 
     def zero_grad(self) -> None:
         """Drop every gradient of the update (model and master copies) and its overflow flag."""
-        self._optimizer.zero_grad(set_to_none=True)
-        state = amp_state_of(self._optimizer)
-        if state is not None:
-            for model_param, _ in state.masters.pairs():
-                model_param.grad = None
-            state.scaled_grads_pending = False
-            if state.pending and state.found_inf is not None:
-                state.found_inf.zero_()
-            state.pending = False
+        self._optimizer.zero_grad(set_to_none=True)  # ampx's handler also ends the update
         self._reset()
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -411,11 +330,7 @@ class AmpOptimizer:
             )
         if extra is not None and self.amp.enabled and extra.get("amp"):
             self.amp.load_state_dict(extra["amp"])
-        if self.memory_efficient:
-            with _as_float32(list(self.params)):  # keep the optimizer state float32
-                self._optimizer.load_state_dict(inner)
-        else:
-            self._optimizer.load_state_dict(inner)
+        self._strategy.load_optimizer_state(inner)
         if optimizer_overrides:
             for group in self.param_groups:
                 group.update(optimizer_overrides)
@@ -436,8 +351,7 @@ class AmpOptimizer:
         self._needs_sync = False
         self._decided = False
         self._scale_before = None
-        self._found = None
-        self._local_norm = None
+        self._strategy.reset()
 
     def _sync(self) -> None:
         """Finish the update's backward passes: unscale, flag, agree across ranks, update scale."""
@@ -445,32 +359,16 @@ class AmpOptimizer:
             return
         self._needs_sync = False
         scaler = self.scaler
-        if self.memory_efficient:
-            norm = _total_norm(self._grads())  # of the scaled half gradients, in float32
-            found = (~torch.isfinite(norm)).float().reshape(1).to(scaler.device)
-            self.amp.synchronize_found_inf(found)
-            self._scale_before = scaler.scale.clone()
-            self._factor = self._factor * scaler.inv_scale().reshape(()).to(norm.device)
-            scaler.update_(found)
-            self._found, self._local_norm = found, norm
-            return
-        state = amp_state_of(self._optimizer)
-        if state is None or not state.scaled_grads_pending:
-            return  # a session that doesn't scale (O0, O3 with fp16): nothing to finish
-        self._scale_before = scaler.scale.clone()
-        # A scale_loss pass with no backward of its own unscales what the delayed passes left
-        # (apex's delay_unscale protocol), checks it, syncs the flag and updates the scale.
-        assert self._last_loss is not None  # set by every backward
-        with self.amp.scale_loss(self._last_loss, self._optimizer, loss_id=self.loss_id):
-            pass
+        before = scaler.scale.clone()
+        if self._strategy.finish(scaler, self._last_loss):
+            self._scale_before = before
+        if isinstance(self._strategy, MemoryEfficientStrategy):
+            scale = self._strategy.factor_from_scale
+            if scale is not None:
+                self._factor = self._factor * scale
 
     def _flag(self) -> torch.Tensor | None:
-        if self.memory_efficient:
-            return self._found
-        state = amp_state_of(self._optimizer)
-        if state is not None and state.pending and state.found_inf is not None:
-            return state.found_inf
-        return None
+        return self._strategy.flag()
 
     def _decide(self, norm: torch.Tensor | None) -> None:
         """Once per update: read the flags (one host sync) and raise fairseq's exceptions."""
@@ -483,7 +381,7 @@ class AmpOptimizer:
         if flag is not None:
             parts[0] = flag.reshape(1).float().to(device)
         if norm is not None:
-            parts[1] = (~torch.isfinite(_local(norm))).float().reshape(1).to(device)
+            parts[1] = (~torch.isfinite(local(norm))).float().reshape(1).to(device)
         tracking = self.tolerance > 0 and self._scale_before is not None and self.scaler.dynamic
         if tracking:
             assert self._scale_before is not None
@@ -509,12 +407,10 @@ class AmpOptimizer:
             if scale_before is not None:
                 self.scaler.scale.copy_(scale_before)  # as fairseq: keep the last usable scale
             self._reset()
-            floor = self.min_loss_scale if self.min_loss_scale is not None \
-                else self.scaler.min_loss_scale
             raise FloatingPointError(
-                f"Minimum loss scale reached ({floor}). Your loss is probably exploding. Try "
-                "lowering the learning rate, using gradient clipping or increasing the batch "
-                "size."
+                f"Minimum loss scale reached ({self._floor()}). Your loss is probably exploding. "
+                "Try lowering the learning rate, using gradient clipping or increasing the "
+                "batch size."
             )
         new_scale = self.loss_scale
         self._reset()
@@ -524,19 +420,7 @@ class AmpOptimizer:
         """Consume this update as a skipped step (ampx logs and counts it)."""
         self.steps += 1
         self.skipped_steps += 1
-        if self.memory_efficient:
-            for param in self.params:
-                param.grad = None
-            self.scaler.report_overflow()
-            return
-        state = amp_state_of(self._optimizer)
-        if state is not None and state.pending and state.found_inf is not None:
-            if not flag_set:  # finite gradients whose norm overflowed: skip all the same
-                state.found_inf.fill_(1.0)
-            self._optimizer.step()  # ampx's step pre-hook turns it into a skipped step
-        else:
-            for param in self.params:
-                param.grad = None
+        self._strategy.skip(flag_set)
 
     def _apply_tolerance(self) -> None:
         """fairseq's tolerance: undo this update's backoff unless enough updates overflowed."""
@@ -552,105 +436,9 @@ class AmpOptimizer:
         scaler = self.scaler
         if not scaler.dynamic:
             return False
-        floor = self.min_loss_scale if self.min_loss_scale is not None else scaler.min_loss_scale
-        scale = scaler.loss_scale()
-        if floor is None:
-            return scale < _UNDERFLOW_SCALE
-        return scale <= floor
+        return scaler.loss_scale() <= self._floor()
 
-    def _apply_factor(self) -> None:
-        factor = self._factor
-        if isinstance(factor, (int, float)) and factor == 1.0:
-            return
-        grads = [_local(g) for g in self._grads()]
-        with torch.no_grad():
-            for group in _by_device_dtype(grads):
-                f = factor if isinstance(factor, (int, float)) else factor.to(group[0].device)
-                torch._foreach_mul_(group, f)
-
-    def _step_fp32(self) -> None:
-        """Step half parameters with float32 math and float32 optimizer state."""
-        factor = self._factor
-        swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
-        with torch.no_grad():
-            for param in self.params:
-                grad = param.grad
-                if grad is None:
-                    continue
-                f = factor if isinstance(factor, (int, float)) else factor.to(grad.device)
-                if param.dtype in _HALF:
-                    half = param.data
-                    grad32 = grad.float().mul_(f)
-                    param.grad = None
-                    param.data = half.float()
-                    param.grad = grad32
-                    swapped.append((param, half))
-                else:
-                    grad.mul_(f)
-        try:
-            self._optimizer.step()
-        finally:
-            with torch.no_grad():
-                for param, half in swapped:
-                    half.copy_(param.data)
-                    param.grad = None
-                    param.data = half
-
-
-class _as_float32:
-    """Context manager: half parameters temporarily hold float32 data (for load_state_dict)."""
-
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self._params = [p for p in params if p.dtype in _HALF]
-        self._halves: list[torch.Tensor] = []
-
-    def __enter__(self) -> None:
-        for param in self._params:
-            self._halves.append(param.data)
-            param.data = param.data.float()
-
-    def __exit__(self, *exc: Any) -> None:
-        for param, half in zip(self._params, self._halves):
-            param.data = half
-
-
-def _by_device_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    return list(groups.values())
-
-
-def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Float32 L2 norm of this rank's part of `grads`, one fused pass per device."""
-    local = [_local(g) for g in grads]
-    if not local:
-        return torch.zeros(())
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in local:
-        by_device.setdefault(t.device, []).append(t)
-    norms: list[torch.Tensor] = [_ext.l2norm(group) for group in by_device.values()]  # type: ignore[misc]
-    if len(norms) == 1:
-        return norms[0]
-    first = norms[0].device
-    return torch.stack([n.to(first) for n in norms]).norm()
-
-
-def _aggregate_dtensor_norm(norm: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
-    """Sum squared norms over the mesh when the gradients are DTensor shards (FSDP2)."""
-    sharded = [g for g in grads if _is_dtensor(g)
-               and any(p.is_shard() for p in g.placements)]  # type: ignore[attr-defined]
-    meshes = {id(g.device_mesh): g.device_mesh for g in sharded}  # type: ignore[attr-defined]
-    if not meshes:
-        return norm
-    if len(meshes) > 1 or next(iter(meshes.values())).ndim != 1:
-        raise ValueError(
-            "AmpOptimizer.clip_grad_norm: gradients are sharded over several or multi-"
-            "dimensional device meshes; pass aggregate_norm_fn to combine the norms."
-        )
-    import torch.distributed as dist
-
-    mesh = next(iter(meshes.values()))
-    squared = (norm.float() ** 2).reshape(1)
-    dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=mesh.get_group())
-    return squared.sqrt().reshape(())
+    def _floor(self) -> float:
+        """The scale at which an overflow raises FloatingPointError (default: the scaler's
+        floor, below which it backs off no further)."""
+        return self.scaler.floor if self.min_loss_scale is None else self.min_loss_scale
