@@ -187,7 +187,7 @@ class OverflowWatch:
         forward = self.detector.first_nonfinite() if self.detector is not None else None
         report = flags.report(step=step, loss_ids=loss_ids, scales={}, forward=forward,
                               process_group=process_group, distributed=distributed)
-        where = report.where()
+        where = f" {report.where()}" if report.where() else ""
         scales: dict[int, tuple[float, float]] = {}
         for loss_id in sorted(set(loss_ids)):
             seen = scalers[loss_id].report_overflow(where=where)
