@@ -2,8 +2,9 @@
 
 Nothing here reassigns `model.forward` (apex did, which broke DataParallel replicas and
 `copy.deepcopy`); inputs and outputs are cast by forward hooks, which travel with the module.
-Hooks hold only dtypes and weak references, so a deep copy of the model (an EMA copy) is an
-independent model that computes with its own weights.
+Hooks hold only dtypes and weak references to the session's master map, which a copy or a
+pickle of the model leaves behind: a deep copy (an EMA copy) is an independent model that
+computes with its own weights, and `torch.save(model)` works.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from .casting import cast_tree
+from .option_values import HALF_DTYPES
 
 __all__ = ["MasterMap", "ModelCast", "cast_model", "check_models", "device_types_of"]
 
@@ -83,6 +85,10 @@ class MasterMap:
         entry = self._by_id.get(id(model_param))
         return entry[1] if entry is not None and entry[0] is model_param else None
 
+    def remove(self, model_param: nn.Parameter) -> None:
+        """Forget the master of `model_param` (initialize's undo)."""
+        self._by_id.pop(id(model_param), None)
+
     def pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """Every (model_param, master) pair."""
         return list(self._by_id.values())
@@ -115,18 +121,34 @@ def _always(tensor: torch.Tensor) -> bool:
     return True
 
 
-class Fp32StateDict:
-    """State-dict hook: half entries of a module come out as float32.
+class _MastersRef:
+    """A weak reference to a `MasterMap` that pickles and copies as "no masters".
 
-    Split (O2) parameters come out as their fp32 masters, so saving `model.state_dict()` loses
-    no precision and loading it back restores the masters exactly.
+    A copied or unpickled model has its own parameters, which no master belongs to.
     """
 
     def __init__(self, masters: MasterMap | None) -> None:
         self._masters = weakref.ref(masters) if masters is not None else None
 
+    def masters(self) -> MasterMap | None:
+        """The map, while the session that owns it is alive."""
+        return self._masters() if self._masters is not None else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_masters"] = None
+        return state
+
+
+class Fp32StateDict(_MastersRef):
+    """State-dict post-hook: half entries of a module come out as float32.
+
+    Split (O2) parameters come out as their fp32 masters, so saving `model.state_dict()` loses
+    no precision and loading it back restores the masters exactly.
+    """
+
     def __call__(self, module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
-        masters = self._masters() if self._masters is not None else None
+        masters = self.masters()
         for name, param in module._parameters.items():
             key = prefix + name
             value = state.get(key)
@@ -137,31 +159,43 @@ class Fp32StateDict:
         for name in module._buffers:
             key = prefix + name
             value = state.get(key)
-            if value is not None and value.dtype in (torch.float16, torch.bfloat16):
+            if value is not None and value.dtype in HALF_DTYPES:
                 state[key] = value.float()
 
 
-class LoadIntoMasters:
-    """Load-state-dict pre-hook: values loaded into split parameters also reach their masters.
+class LoadIntoMasters(_MastersRef):
+    """Load-state-dict pre-hook: loaded values reach the fp32 masters; `assign=True` works.
 
     Without it, `model.load_state_dict` after `initialize` would update only the half copy and
-    the next optimizer step would bring the stale master back.
+    the next optimizer step would bring the stale master back. With `assign=True`, torch would
+    put the (float32) checkpoint tensors in place of the cast parameters, breaking forward and
+    the optimizer's link: instead, values are copied into the existing parameters (which
+    the state dict then hands back to torch), and buffers are assigned in their cast dtype.
     """
 
-    def __init__(self, masters: MasterMap) -> None:
-        self._masters = weakref.ref(masters)
-
-    def __call__(self, module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
-        masters = self._masters()
-        if masters is None:
-            return
+    def __call__(self, module: nn.Module, state: dict, prefix: str, local_metadata: Any,
+                 *args: Any) -> None:
+        masters = self.masters()
+        assign = bool(local_metadata.get("assign_to_params_buffers", False))
         with torch.no_grad():
             for name, param in module._parameters.items():
-                master = masters.master_of(param) if param is not None else None
-                value = state.get(prefix + name)
-                if (master is not None and isinstance(value, torch.Tensor)
-                        and value.shape == master.shape):
+                key = prefix + name
+                value = state.get(key)
+                if (param is None or not isinstance(value, torch.Tensor)
+                        or value.shape != param.shape or not param.is_floating_point()):
+                    continue
+                master = masters.master_of(param) if masters is not None else None
+                if master is not None:
                     master.copy_(value)
+                if assign:
+                    param.copy_(value)
+                    state[key] = param
+            for name, buf in module._buffers.items():
+                key = prefix + name
+                value = state.get(key)
+                if (assign and buf is not None and isinstance(value, torch.Tensor)
+                        and buf.is_floating_point() and value.dtype != buf.dtype):
+                    state[key] = value.to(buf.dtype)
 
 
 @dataclass
@@ -189,7 +223,6 @@ class ModelCast:
         with torch.no_grad():
             while self.undo_log:
                 self.undo_log.pop()()
-        self.masters = MasterMap()
 
 
 def _is_kept_batchnorm(module: nn.Module, keep_batchnorm_fp32: bool | None) -> bool:
@@ -205,6 +238,7 @@ def cast_model(
     keep_batchnorm_fp32: bool | None,
     split_params: set[int],
     cast_outputs: torch.dtype | None,
+    masters: MasterMap | None = None,
 ) -> ModelCast:
     """Cast a model's floating parameters and buffers and install input/output hooks.
 
@@ -214,27 +248,27 @@ def cast_model(
         keep_batchnorm_fp32: Leave affine batchnorm modules in float32.
         split_params: ids of parameters that an optimizer holds and that need fp32 masters
             (O2): these are replaced in the model by new half parameters, and the original
-            fp32 objects stay in the optimizer as the masters.
+            objects stay in the optimizer as the float32 masters (a parameter that was
+            already half gets float32 data).
         cast_outputs: Dtype of the forward outputs (None: no output cast).
+        masters: The session's master map (shared by its models and optimizers, so masters
+            added later by `add_param_group` are saved and loaded too); a new one if None.
 
     Returns:
-        The `ModelCast` record, with the master map filled for split parameters.
+        The `ModelCast` record; split parameters are added to its master map.
     """
-    record = ModelCast(model)
+    record = ModelCast(model, MasterMap() if masters is None else masters)
     try:
         if dtype is not None:
             _cast_weights(model, dtype, keep_batchnorm_fp32, split_params, record)
             record.handles.append(
                 model.register_forward_pre_hook(InputCast(dtype), with_kwargs=True))
             if dtype != torch.float32:
-                hook = Fp32StateDict(record.masters if len(record.masters) else None)
+                hook = Fp32StateDict(record.masters)
+                loader = LoadIntoMasters(record.masters)
                 for module in model.modules():
-                    record.handles.append(module._register_state_dict_hook(hook))
-                if len(record.masters):
-                    loader = LoadIntoMasters(record.masters)
-                    for module in model.modules():
-                        record.handles.append(module._register_load_state_dict_pre_hook(
-                            loader, with_module=True))
+                    record.handles.append(module.register_state_dict_post_hook(hook))
+                    record.handles.append(module.register_load_state_dict_pre_hook(loader))
         if cast_outputs is not None:
             record.handles.append(model.register_forward_hook(OutputCast(cast_outputs)))
     except BaseException:
@@ -245,13 +279,14 @@ def cast_model(
 
 def _cast_weights(model: nn.Module, dtype: torch.dtype, keep_bn: bool | None,
                   split_params: set[int], record: ModelCast) -> None:
-    masters, undo = record.masters, record.undo_log
+    undo = record.undo_log
     replaced: dict[int, nn.Parameter] = {}  # keeps tied weights tied
     done: set[int] = set()
     with torch.no_grad():
         for module in model.modules():
-            if _is_kept_batchnorm(module, keep_bn):
-                continue
+            # kept batchnorm is float32 even in a model that was half before initialize
+            kept = _is_kept_batchnorm(module, keep_bn)
+            target = torch.float32 if kept else dtype
             if isinstance(module, nn.RNNBase):  # undone last: after the params are back
                 undo.append(module._init_flat_weights)
             for name, param in list(module._parameters.items()):
@@ -260,29 +295,46 @@ def _cast_weights(model: nn.Module, dtype: torch.dtype, keep_bn: bool | None,
                 if id(param) in replaced:
                     undo.append(functools.partial(setattr, module, name, param))
                     setattr(module, name, replaced[id(param)])
-                    continue
-                if id(param) in done or param.dtype == dtype:
-                    continue
-                if id(param) in split_params:
-                    half = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
-                    replaced[id(param)] = half
-                    masters.add(half, param)
-                    undo.append(functools.partial(setattr, module, name, param))
-                    setattr(module, name, half)
-                else:
+                elif id(param) in split_params and not kept:
+                    replaced[id(param)] = _split(module, name, param, dtype, record)
+                elif id(param) not in done and param.dtype != target and (
+                        not kept or param.dtype in HALF_DTYPES):
                     undo.append(functools.partial(_set_data, param, param.data, param.grad))
-                    param.data = param.data.to(dtype)
+                    param.data = param.data.to(target)
                     if param.grad is not None:
-                        param.grad = param.grad.to(dtype)
+                        param.grad = param.grad.to(target)
                     done.add(id(param))
             for name, buf in list(module._buffers.items()):
-                if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                if (buf is not None and buf.is_floating_point() and buf.dtype != target
+                        and (not kept or buf.dtype in HALF_DTYPES)):
                     undo.append(functools.partial(module._buffers.__setitem__, name, buf))
-                    module._buffers[name] = buf.to(dtype)
+                    module._buffers[name] = buf.to(target)
             if isinstance(module, nn.RNNBase):
                 module._init_flat_weights()
 
 
+def _split(module: nn.Module, name: str, param: nn.Parameter, dtype: torch.dtype,
+           record: ModelCast) -> nn.Parameter:
+    """Put a new `dtype` copy of `param` in the model; `param` stays behind as its master.
+
+    A master that is half precision itself (the model was `.half()`-ed before initialize)
+    gets float32 data, so O2 always steps float32 masters.
+    """
+    half = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+    if param.dtype in HALF_DTYPES:
+        record.undo_log.append(functools.partial(_set_data, param, param.data, param.grad))
+        grad = param.grad
+        param.grad = None
+        param.data = param.data.float()
+        param.grad = None if grad is None else grad.float()
+    record.masters.add(half, param)
+    record.undo_log.append(functools.partial(record.masters.remove, half))
+    record.undo_log.append(functools.partial(setattr, module, name, param))
+    setattr(module, name, half)
+    return half
+
+
 def _set_data(param: nn.Parameter, data: torch.Tensor, grad: torch.Tensor | None) -> None:
+    param.grad = None
     param.data = data
     param.grad = grad

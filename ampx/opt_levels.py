@@ -1,51 +1,61 @@
-"""Opt levels O0-O3 as data, their overrides and apex's validation rules.
+"""The one home of ampx's options: opt levels as data, every default, validation, forced options.
 
-An opt level is a named preset (apex's table, §2.3 of the reference); `resolve_properties`
-applies the user's overrides to it, checks apex's cross-field rules and returns a frozen
-`Properties`. Nothing here touches torch's namespace or the user's objects.
+An opt level is a named preset (apex's table, §2.3 of the reference). `Properties` is a
+session's frozen configuration, and its field defaults are the defaults of every entry point
+(`ampx.initialize`, `ampx.Amp`, the argparse flags of `ampx.compat.options`); a field whose
+default is None takes the opt level's value. `resolve_properties(opt_level, **overrides)`
+validates the overrides (unknown names are listed), applies apex's cross-field rules and the
+skip/scale policy, and returns the `Properties`. `ampx run -O` forces options through
+`set_forced_options`. Nothing here touches torch's namespace or the user's objects.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-from typing import Any, Union
+import difflib
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
+from .option_values import (
+    HALF_DTYPES,
+    LossScale,
+    OptionError,
+    OptLevel,
+    UnknownOptionError,
+    parse_bool,
+    parse_count,
+    parse_device_types,
+    parse_dtype,
+    parse_flag,
+    parse_loss_scale,
+    parse_opt_level,
+    parse_positive,
+)
+
 __all__ = [
-    "OPT_LEVELS",
+    "DEFAULTS",
     "LossScale",
     "OptLevel",
     "OptionError",
     "Properties",
-    "parse_dtype",
+    "UnknownOptionError",
+    "apply_forced",
+    "brief",
+    "check_forced",
+    "forced_options",
     "resolve_properties",
+    "set_forced_options",
 ]
-
-LossScale = Union[float, str]  # a number or "dynamic"
-
-
-class OptionError(ValueError, RuntimeError):
-    """A bad `initialize` option.
-
-    A subclass of both ValueError (what new code expects for a bad value) and RuntimeError
-    (what apex raised, and what legacy scripts catch).
-    """
-
-
-class OptLevel(str, enum.Enum):
-    """The four apex optimization levels; the values are the strings users type."""
-
-    O0 = "O0"
-    O1 = "O1"
-    O2 = "O2"
-    O3 = "O3"
-
 
 @dataclasses.dataclass(frozen=True)
 class Properties:
-    """The resolved configuration of one ampx session.
+    """The resolved configuration of one ampx session; its field defaults are ampx's defaults.
+
+    A default of None means "the opt level's value" for cast_model_type,
+    patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale,
+    cast_model_outputs and skip_non_finite; `resolve_properties` fills them in.
 
     Attributes:
         opt_level: The preset the other fields started from.
@@ -56,9 +66,11 @@ class Properties:
         keep_batchnorm_fp32: Keep batchnorm modules in float32 when the model is cast.
         master_weights: Keep float32 master weights inside the optimizer (None at O1, as
             apex: the weights themselves are float32).
-        loss_scale: "dynamic" or a static float.
-        cast_model_outputs: Dtype forward outputs are cast to (None: the default for the level).
+        loss_scale: "dynamic" or a static float (default: the level's; 1.0 with bf16).
+        cast_model_outputs: Dtype forward outputs are cast to (float32 when the model is
+            cast, as apex; None: outputs are left alone).
         num_losses: Number of loss scalers (one per `loss_id`).
+        verbosity: 0 silences info logs; 2 logs every cast made by the O1 patches.
         min_loss_scale: Floor of the dynamic scale (None: no floor).
         max_loss_scale: Ceiling of the dynamic scale; also clamps the initial scale.
         init_scale: Initial dynamic scale (before clamping by `max_loss_scale`).
@@ -66,21 +78,23 @@ class Properties:
         backoff_factor: Factor applied on an overflow.
         growth_interval: Clean steps between two growths (apex's scale window).
         hysteresis: Overflows tolerated before the scale backs off (1: back off at once).
-        skip_non_finite: Skip the step when gradients are not finite, even with a static scale.
+        skip_non_finite: Skip the step when gradients are not finite. Default: with a
+            dynamic scale, and with bf16 at O1-O3; never when disabled.
         allow_banned: Run banned functions (binary_cross_entropy) in float32 instead of raising.
-        verbosity: 0 silences info logs; 2 logs every cast made by the O1 patches.
+        device_types: Device types whose tensors O1 casts (None: the models' devices).
     """
 
-    opt_level: OptLevel
-    enabled: bool
-    dtype: torch.dtype
-    cast_model_type: torch.dtype | None
-    patch_torch_functions: bool
-    keep_batchnorm_fp32: bool | None
-    master_weights: bool | None
-    loss_scale: LossScale
+    opt_level: OptLevel = OptLevel.O1
+    enabled: bool = True
+    dtype: torch.dtype = torch.float16
+    cast_model_type: torch.dtype | None = None
+    patch_torch_functions: bool | None = None
+    keep_batchnorm_fp32: bool | None = None
+    master_weights: bool | None = None
+    loss_scale: LossScale | None = None
     cast_model_outputs: torch.dtype | None = None
     num_losses: int = 1
+    verbosity: int = 1
     min_loss_scale: float | None = None
     max_loss_scale: float = 2.0**24
     init_scale: float = 2.0**16
@@ -88,17 +102,35 @@ class Properties:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     hysteresis: int = 1
-    skip_non_finite: bool = True
+    skip_non_finite: bool | None = None
     allow_banned: bool = False
-    verbosity: int = 1
+    device_types: frozenset[str] | None = None
 
     @property
     def dynamic(self) -> bool:
         """True when the loss scale is dynamic."""
         return self.loss_scale == "dynamic"
 
+    @property
+    def scale(self) -> LossScale:
+        """The loss scale ("dynamic" or a number; unset is apex's 1.0)."""
+        return 1.0 if self.loss_scale is None else self.loss_scale
+
+    @property
+    def scales_gradients(self) -> bool:
+        """False on apex's short-circuit path (no masters, static scale 1.0, no inf check)."""
+        return self.enabled and bool(
+            self.master_weights or self.dynamic or self.scale != 1.0 or self.skip_non_finite)
+
+    def scaler_options(self) -> dict[str, Any]:
+        """The keyword arguments of `LossScaler` taken from these properties."""
+        return dict(init_scale=self.init_scale, growth_factor=self.growth_factor,
+                    backoff_factor=self.backoff_factor, growth_interval=self.growth_interval,
+                    hysteresis=self.hysteresis, min_loss_scale=self.min_loss_scale,
+                    max_loss_scale=self.max_loss_scale)
+
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-able view (dtypes as their short names)."""
+        """A JSON-able view (dtypes as their short names, device types as a sorted list)."""
         out: dict[str, Any] = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
@@ -106,378 +138,287 @@ class Properties:
                 value = str(value).replace("torch.", "")
             elif isinstance(value, OptLevel):
                 value = value.value
+            elif isinstance(value, frozenset):
+                value = sorted(value)
             out[field.name] = value
         return out
 
 
+DEFAULTS = Properties()
+FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Properties))
+
 # apex's table (reference §2.3). "half" stands for the session's dtype (fp16 unless dtype=bf16).
 _HALF = "half"
-_PRESETS: dict[OptLevel, dict[str, Any]] = {
-    OptLevel.O0: dict(cast_model_type=torch.float32, patch_torch_functions=False,
-                      keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0),
-    OptLevel.O1: dict(cast_model_type=None, patch_torch_functions=True,
-                      keep_batchnorm_fp32=None, master_weights=None, loss_scale="dynamic"),
-    OptLevel.O2: dict(cast_model_type=_HALF, patch_torch_functions=False,
-                      keep_batchnorm_fp32=True, master_weights=True, loss_scale="dynamic"),
-    OptLevel.O3: dict(cast_model_type=_HALF, patch_torch_functions=False,
-                      keep_batchnorm_fp32=False, master_weights=False, loss_scale=1.0),
+_LEVEL_FIELDS = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
+                 "master_weights", "loss_scale")
+_PRESETS: dict[OptLevel, tuple[Any, ...]] = {
+    OptLevel.O0: (torch.float32, False, None, False, 1.0),
+    OptLevel.O1: (None, True, None, None, "dynamic"),
+    OptLevel.O2: (_HALF, False, True, True, "dynamic"),
+    OptLevel.O3: (_HALF, False, False, False, 1.0),
 }
-
-BRIEFS: dict[OptLevel, str] = {
+# apex's "Selected optimization level" lines; {half} is FP16 (apex's words) or BF16.
+_BRIEFS: dict[OptLevel, str] = {
     OptLevel.O0: "Pure FP32 training.",
     OptLevel.O1: "Insert automatic casts around Pytorch functions and Tensor methods.",
-    OptLevel.O2: "FP16 training with FP32 batchnorm and FP32 master weights.",
-    OptLevel.O3: "Pure FP16 training.",
-}
-
-OPT_LEVELS: tuple[str, ...] = tuple(level.value for level in OptLevel)
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "torch.float16": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
+    OptLevel.O2: "{half} training with FP32 batchnorm and FP32 master weights.",
+    OptLevel.O3: "Pure {half} training.",
 }
 
 
-def parse_dtype(value: Any, *, api: str = "ampx.initialize") -> torch.dtype:
-    """Turn `float16`/`bfloat16` (a torch dtype or a string such as "bf16") into a dtype.
+def brief(level: OptLevel | str, dtype: torch.dtype = torch.float16) -> str:
+    """apex's one-line description of a level, naming the session's half dtype.
 
-    >>> parse_dtype("bf16")
-    torch.bfloat16
-    >>> parse_dtype(torch.float16)
-    torch.float16
+    >>> brief("O2", torch.bfloat16)
+    'BF16 training with FP32 batchnorm and FP32 master weights.'
     """
-    if isinstance(value, torch.dtype):
-        if value in (torch.float16, torch.bfloat16):
-            return value
-    elif isinstance(value, str) and value.strip().lower() in _DTYPE_NAMES:
-        return _DTYPE_NAMES[value.strip().lower()]
-    raise OptionError(
-        f"{api}: dtype={value!r} is not a half-precision dtype. "
-        "Use torch.float16 or torch.bfloat16 (or the strings 'fp16', 'bf16', 'float16', "
-        "'bfloat16')."
+    half = "BF16" if dtype == torch.bfloat16 else "FP16"
+    return _BRIEFS[parse_opt_level(level)].format(half=half)
+
+
+def preset(level: OptLevel) -> dict[str, Any]:
+    """The level's values of apex's five level fields ("half" stands for the session dtype)."""
+    return dict(zip(_LEVEL_FIELDS, _PRESETS[level]))
+
+
+# -- resolving --------------------------------------------------------------------------------
+
+def _check_names(overrides: Mapping[str, Any]) -> None:
+    unknown = [name for name in overrides if name not in FIELDS]
+    if not unknown:
+        return
+    hints = [f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+             for name in unknown for close in [difflib.get_close_matches(name, FIELDS, 1)]]
+    raise UnknownOptionError(
+        f"ampx.initialize: unknown option(s) {', '.join(hints)}. "
+        f"The options are: {', '.join(FIELDS)}."
     )
 
 
-def parse_opt_level(value: Any) -> OptLevel:
-    """Validate an opt level with apex's message (the letter O, not the number zero)."""
-    try:
-        return OptLevel(value)
-    except ValueError:
-        raise OptionError(
-            f"Unexpected optimization level {value}. Options are 'O0', 'O1', 'O2', 'O3'.  "
-            "Note that in `O0`, `O1`, etc., the prefix O is the letter O, not the number zero."
-        ) from None
-
-
-def _parse_bool_or_none(name: str, value: Any) -> bool | None:
-    # apex accepts the strings "True"/"False" here (argparse-fed scripts pass them).
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value in ("True", "False"):
-        return value == "True"
-    raise OptionError(
-        f"ampx.initialize: {name}={value!r} is not valid; use True, False or None "
-        "(or the strings 'True'/'False')."
-    )
-
-
-def _parse_loss_scale(value: Any) -> LossScale:
-    if value == "dynamic":
-        return "dynamic"
-    if isinstance(value, bool):
-        raise OptionError(f"ampx.initialize: loss_scale={value!r}; use 'dynamic' or a number.")
-    try:
-        scale = float(value)
-    except (TypeError, ValueError):
-        raise OptionError(
-            f"ampx.initialize: loss_scale={value!r} is neither 'dynamic' nor a number."
-        ) from None
-    if not (scale > 0 and scale != float("inf")):
-        raise OptionError(
-            f"ampx.initialize: loss_scale={value!r} must be a positive finite number."
-        )
-    return scale
-
-
-def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise OptionError(f"ampx.initialize: {name}={value!r} must be a positive number.")
-    return float(value)
-
-
-def resolve_properties(
-    opt_level: Any = "O1",
-    *,
-    enabled: bool = True,
-    dtype: Any = None,
-    cast_model_type: Any = None,
-    patch_torch_functions: Any = None,
-    keep_batchnorm_fp32: Any = None,
-    master_weights: Any = None,
-    loss_scale: Any = None,
-    cast_model_outputs: Any = None,
-    num_losses: int = 1,
-    verbosity: int = 1,
-    min_loss_scale: float | None = None,
-    max_loss_scale: float = 2.0**24,
-    init_scale: float = 2.0**16,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    growth_interval: int = 2000,
-    hysteresis: int = 1,
-    skip_non_finite: bool | None = None,
-    allow_banned: bool = False,
-) -> Properties:
-    """Apply overrides to an opt level's preset, with apex's checks.
-
-    Args:
-        opt_level: "O0", "O1", "O2" or "O3".
-        enabled: False gives a disabled (pass-through) configuration.
-        dtype: The half dtype: float16 (apex's) or bfloat16. With bfloat16 the default loss
-            scale is a static 1.0 (bf16 has fp32's range) but non-finite gradients still skip
-            the step.
-        cast_model_type: Override; any falsy value means "don't cast the model".
-        patch_torch_functions: Override; only valid with O1.
-        keep_batchnorm_fp32: Override; True/False/None or "True"/"False".
-        master_weights: Override; not valid with O1.
-        loss_scale: Override; "dynamic", a number or a numeric string.
-        cast_model_outputs: Dtype the model's outputs are cast to.
-        num_losses: Number of loss scalers.
-        verbosity: 0, 1 or 2.
-        min_loss_scale: Floor of the dynamic scale.
-        max_loss_scale: Ceiling of the dynamic scale.
-        init_scale: Initial dynamic scale.
-        growth_factor: Growth factor (> 1).
-        backoff_factor: Backoff factor (in (0, 1)).
-        growth_interval: Clean steps between growths.
-        hysteresis: Overflows tolerated before backing off.
-        skip_non_finite: Skip steps with non-finite gradients (default True).
-        allow_banned: Run banned functions in float32 instead of raising.
-
-    Returns:
-        The frozen `Properties`.
-
-    Raises:
-        OptionError: For an unknown opt level, an inconsistent override or a bad value. The
-            messages are apex's where apex had one.
-    """
-    level = parse_opt_level(opt_level)
-    half = parse_dtype(dtype) if dtype is not None else torch.float16
-    if (level is not OptLevel.O1 and isinstance(cast_model_type, torch.dtype)
-            and cast_model_type in _HALF_DTYPES):
+def _session_dtype(level: OptLevel, given: Mapping[str, Any]) -> torch.dtype:
+    dtype = given.get("dtype")
+    half = DEFAULTS.dtype if dtype is None else parse_dtype(dtype)
+    cast = given.get("cast_model_type")
+    if level is not OptLevel.O1 and isinstance(cast, torch.dtype) and cast in HALF_DTYPES:
         # cast_model_type=torch.bfloat16 alone selects bf16 for the whole session.
         if dtype is None:
-            half = cast_model_type
-        elif cast_model_type != half:
+            return cast
+        if cast != half:
             raise OptionError(
-                f"ampx.initialize: cast_model_type={cast_model_type} conflicts with "
-                f"dtype={dtype!r}; pass one of them, or the same half dtype to both."
+                f"ampx.initialize: cast_model_type={cast} conflicts with dtype={dtype!r}; "
+                "pass one of them, or the same half dtype to both."
             )
-    preset = dict(_PRESETS[level])
+    return half
 
-    if cast_model_type is not None:
-        if cast_model_type and not isinstance(cast_model_type, torch.dtype):
-            raise OptionError(
-                f"ampx.initialize: cast_model_type={cast_model_type!r} must be a torch dtype "
-                "or a falsy value (don't cast the model)."
-            )
-        if level is OptLevel.O1 and cast_model_type not in (False, torch.float32):
-            raise OptionError(
-                "O1 inserts casts around Torch functions rather than model weights, so with O1, "
-                "the model weights themselves should remain FP32. If you wish to cast the model "
-                "to a different type, use opt_level='O2' or 'O3'. "
-                f"cast_model_type was {cast_model_type}"
-            )
-        preset["cast_model_type"] = cast_model_type or None
-    if patch_torch_functions is not None:
-        if patch_torch_functions and level is not OptLevel.O1:
+
+def _check_cast_model_type(level: OptLevel, cast: Any) -> torch.dtype | None:
+    if cast and cast not in (torch.float32, *HALF_DTYPES):
+        raise OptionError(
+            f"ampx.initialize: cast_model_type={cast!r} must be a torch dtype ampx casts models "
+            "to: torch.float16 or torch.bfloat16 (O2/O3) or torch.float32 (O0); or a falsy "
+            "value (don't cast the model)."
+        )
+    if level is OptLevel.O1 and cast not in (False, torch.float32):
+        raise OptionError(
+            "O1 inserts casts around Torch functions rather than model weights, so with O1, "
+            "the model weights themselves should remain FP32. If you wish to cast the model "
+            "to a different type, use opt_level='O2' or 'O3'. "
+            f"cast_model_type was {cast}"
+        )
+    return cast or None
+
+
+def _level_values(level: OptLevel, half: torch.dtype, given: Mapping[str, Any]) -> dict[str, Any]:
+    """apex's five level fields after the overrides, with apex's checks and messages."""
+    values = preset(level)
+    if given.get("cast_model_type") is not None:
+        values["cast_model_type"] = _check_cast_model_type(level, given["cast_model_type"])
+    patch_fns = given.get("patch_torch_functions")
+    if patch_fns is not None:
+        if patch_fns and level is not OptLevel.O1:
             raise OptionError(
                 "Currently, patch_torch_functions=True should only be set by selecting "
                 "opt_level='O1'."
             )
-        preset["patch_torch_functions"] = bool(patch_torch_functions)
-    keep_bn = _parse_bool_or_none("keep_batchnorm_fp32", keep_batchnorm_fp32)
+        values["patch_torch_functions"] = bool(patch_fns)
+    keep_bn = parse_bool("keep_batchnorm_fp32", given.get("keep_batchnorm_fp32"))
     if keep_bn is not None:
         if level is OptLevel.O1:
             raise OptionError(
                 "With opt_level O1, batchnorm functions are automatically patched to run in "
                 "FP32, so keep_batchnorm_fp32 should be None. "
-                f"keep_batchnorm_fp32 was {keep_batchnorm_fp32}"
+                f"keep_batchnorm_fp32 was {given['keep_batchnorm_fp32']}"
             )
-        preset["keep_batchnorm_fp32"] = keep_bn
-    if master_weights is not None:
+        values["keep_batchnorm_fp32"] = keep_bn
+    if given.get("master_weights") is not None:
         if level is OptLevel.O1:
             raise OptionError(
                 "It doesn't make sense to use master_weights with O1. With O1, your model "
                 "weights themselves should be FP32."
             )
-        preset["master_weights"] = bool(master_weights)
-
-
-    explicit_scale = loss_scale is not None
-    if explicit_scale:
-        preset["loss_scale"] = _parse_loss_scale(loss_scale)
+        values["master_weights"] = parse_bool("master_weights", given["master_weights"])
+    if given.get("loss_scale") is not None:
+        values["loss_scale"] = parse_loss_scale(given["loss_scale"])
     elif half is torch.bfloat16:
-        # bf16 has fp32's exponent range: scaling buys nothing, but inf/NaN still skip.
-        preset["loss_scale"] = 1.0
+        values["loss_scale"] = 1.0  # bf16 has fp32's exponent range; inf/NaN still skip
+    if values["cast_model_type"] == _HALF:
+        values["cast_model_type"] = half
+    return values
 
-    if cast_model_outputs is not None and not isinstance(cast_model_outputs, torch.dtype):
-        raise OptionError(
-            f"ampx.initialize: cast_model_outputs={cast_model_outputs!r} must be a torch dtype."
-        )
-    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
-        raise OptionError(f"ampx.initialize: num_losses={num_losses!r} must be an int >= 1.")
-    if verbosity not in (0, 1, 2):
-        raise OptionError(f"ampx.initialize: verbosity={verbosity!r} must be 0, 1 or 2.")
-    min_scale = None if min_loss_scale is None else _positive("min_loss_scale", min_loss_scale)
-    max_scale = _positive("max_loss_scale", max_loss_scale)
+
+def _scaler_values(options: Mapping[str, Any], dynamic: bool) -> dict[str, Any]:
+    """The scaling and bookkeeping fields, each checked (names in every message)."""
+    min_scale = options["min_loss_scale"]
+    min_scale = None if min_scale is None else parse_positive("min_loss_scale", min_scale)
+    max_scale = parse_positive("max_loss_scale", options["max_loss_scale"], finite=False)
+    init = parse_positive("init_scale", options["init_scale"])
     if min_scale is not None and min_scale > max_scale:
         raise OptionError(
-            f"ampx.initialize: min_loss_scale={min_loss_scale} is larger than "
-            f"max_loss_scale={max_loss_scale}."
+            f"ampx.initialize: min_loss_scale={options['min_loss_scale']} is larger than "
+            f"max_loss_scale={options['max_loss_scale']}."
         )
-    init = _positive("init_scale", init_scale)
-    growth = _positive("growth_factor", growth_factor)
+    if dynamic and min_scale is not None and min_scale > min(init, max_scale):
+        raise OptionError(
+            f"ampx.initialize: min_loss_scale={options['min_loss_scale']} is larger than the "
+            f"initial scale {min(init, max_scale)} (min(init_scale, max_loss_scale)): the "
+            "first overflow would raise the scale."
+        )
+    growth = parse_positive("growth_factor", options["growth_factor"])
     if growth < 1.0:
-        raise OptionError(f"ampx.initialize: growth_factor={growth_factor!r} must be >= 1.")
-    backoff = _positive("backoff_factor", backoff_factor)
+        raise OptionError(
+            f"ampx.initialize: growth_factor={options['growth_factor']!r} must be >= 1.")
+    backoff = parse_positive("backoff_factor", options["backoff_factor"])
     if backoff > 1.0:
         raise OptionError(
-            f"ampx.initialize: backoff_factor={backoff_factor!r} must be in (0, 1]."
-        )
-    for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise OptionError(f"ampx.initialize: {name}={value!r} must be an int >= 1.")
-
-    cast_type = preset["cast_model_type"]
-    if cast_type == _HALF:
-        cast_type = half
-    return Properties(
-        opt_level=level,
-        enabled=bool(enabled),
-        dtype=half,
-        cast_model_type=cast_type,
-        patch_torch_functions=bool(preset["patch_torch_functions"]),
-        keep_batchnorm_fp32=preset["keep_batchnorm_fp32"],
-        master_weights=preset["master_weights"],
-        loss_scale=preset["loss_scale"],
-        cast_model_outputs=cast_model_outputs,
-        num_losses=num_losses,
-        min_loss_scale=min_scale,
-        max_loss_scale=max_scale,
-        init_scale=init,
-        growth_factor=growth,
-        backoff_factor=backoff,
-        growth_interval=growth_interval,
-        hysteresis=hysteresis,
-        skip_non_finite=True if skip_non_finite is None else bool(skip_non_finite),
-        allow_banned=bool(allow_banned),
-        verbosity=verbosity,
+            f"ampx.initialize: backoff_factor={options['backoff_factor']!r} must be in (0, 1].")
+    if options["verbosity"] not in (0, 1, 2) or isinstance(options["verbosity"], bool):
+        raise OptionError(
+            f"ampx.initialize: verbosity={options['verbosity']!r} must be 0, 1 or 2.")
+    return dict(
+        min_loss_scale=min_scale, max_loss_scale=max_scale, init_scale=init,
+        growth_factor=growth, backoff_factor=backoff,
+        growth_interval=parse_count("growth_interval", options["growth_interval"]),
+        hysteresis=parse_count("hysteresis", options["hysteresis"]),
+        num_losses=parse_count("num_losses", options["num_losses"]),
+        verbosity=options["verbosity"],
     )
 
 
-def property_table() -> list[tuple[str, dict[str, str]]]:
-    """Rows of the opt-level table (for docs/opt-levels.md), generated from the presets."""
-    rows = []
-    for field in ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
-                  "master_weights", "loss_scale"):
-        cells = {}
-        for level in OptLevel:
-            fp16 = getattr(resolve_properties(level.value), field)
-            bf16 = getattr(resolve_properties(level.value, dtype=torch.bfloat16), field)
-            text = str(fp16).replace("torch.", "")
-            if bf16 != fp16:
-                text += f" (bf16: {str(bf16).replace('torch.', '')})"
-            cells[level.value] = text
-        rows.append((field, cells))
-    return rows
+def _outputs(given: Any, cast_model_type: torch.dtype | None) -> torch.dtype | None:
+    if given is None:  # apex: a cast model's outputs come back float32
+        return None if cast_model_type is None else torch.float32
+    if not isinstance(given, torch.dtype) or not given.is_floating_point:
+        raise OptionError(
+            f"ampx.initialize: cast_model_outputs={given!r} must be a torch dtype "
+            "(a floating one, such as torch.float32)."
+        )
+    return given
 
 
-_OVERRIDE_RULES: tuple[tuple[str, str], ...] = (
-    ("opt_level", "anything but 'O0'-'O3' (e.g. the digit zero in '00')"),
-    ("cast_model_type", "a half dtype with O1; not a dtype or falsy; a half dtype other "
-                        "than `dtype`"),
-    ("patch_torch_functions", "True with any level but O1"),
-    ("keep_batchnorm_fp32", "anything but None with O1; not True/False/None/'True'/'False'"),
-    ("master_weights", "anything but None with O1"),
-    ("loss_scale", "not 'dynamic', a positive finite number or a numeric string"),
-    ("dtype", "not float16/bfloat16 (or 'fp16', 'bf16', 'float16', 'bfloat16', 'half')"),
-    ("cast_model_outputs", "not a torch dtype"),
-    ("num_losses", "not an int >= 1"),
-    ("verbosity", "not 0, 1 or 2"),
-    ("min_loss_scale / max_loss_scale", "not positive, or min > max"),
-    ("init_scale", "not positive"),
-    ("growth_factor / backoff_factor", "growth < 1, backoff outside (0, 1]"),
-    ("growth_interval / hysteresis", "not an int >= 1"),
-)
+def skip_policy(enabled: bool, level: OptLevel, dtype: torch.dtype, loss_scale: LossScale,
+                requested: Any) -> bool:
+    """Whether steps with non-finite gradients are skipped (the one place that decides)."""
+    if not enabled:
+        return False
+    if requested is not None:
+        return parse_flag("skip_non_finite", requested)
+    return loss_scale == "dynamic" or (dtype == torch.bfloat16 and level is not OptLevel.O0)
 
 
-def markdown() -> str:
-    """The text of docs/opt-levels.md, generated from the presets and rules in this module.
+def resolve_properties(opt_level: Any = DEFAULTS.opt_level.value, **overrides: Any) -> Properties:
+    """Apply overrides to an opt level's preset, with apex's checks.
 
-    `python -m ampx.lists --opt-levels > docs/opt-levels.md` regenerates the page; a test
-    checks that the committed page matches.
+    Args:
+        opt_level: "O0", "O1", "O2" or "O3".
+        **overrides: Any other `Properties` field (see its attributes). None means "the
+            default" (apex skipped None overrides). `dtype` picks float16 (apex's) or
+            bfloat16; with bfloat16 the default loss scale is a static 1.0.
+
+    Returns:
+        The frozen `Properties`.
+
+    Raises:
+        UnknownOptionError: For option names `Properties` doesn't have (all are listed).
+        OptionError: For an unknown opt level, an inconsistent override or a bad value. The
+            messages are apex's where apex had one.
     """
-    levels = [level.value for level in OptLevel]
-    lines = [
-        "# Opt levels",
-        "",
-        "<!-- Generated by `python -m ampx.lists --opt-levels > docs/opt-levels.md`. -->",
-        "",
-        "`ampx.initialize(model, optimizer, opt_level=...)` takes apex's four levels (the",
-        "letter O, not the digit zero). Each is a preset of the properties below; keyword",
-        "overrides change one property, with apex's validation rules and messages. `dtype`",
-        "picks the half type: `torch.float16` (apex's, the default) or `torch.bfloat16`",
-        "(also as the strings 'fp16', 'bf16', 'float16', 'bfloat16').",
-        "",
-        "| level | what it does |",
-        "| --- | --- |",
-    ]
-    lines += [f"| {level.value} | {BRIEFS[level]} |" for level in OptLevel]
-    lines += [
-        "",
-        "## Properties of each level",
-        "",
-        "Generated from `ampx.opt_levels.resolve_properties`; \"(bf16: x)\" is the value",
-        "when `dtype=torch.bfloat16` differs from the float16 one.",
-        "",
-        "| property | " + " | ".join(levels) + " |",
-        "| --- | " + " | ".join("---" for _ in levels) + " |",
-    ]
-    for field, cells in property_table():
-        lines.append(f"| {field} | " + " | ".join(cells[level] for level in levels) + " |")
-    lines += [
-        "",
-        "With bf16 the default loss scale is a static 1.0 (bf16 has float32's exponent range),",
-        "and steps whose gradients are not finite are still skipped.",
-        "",
-        "## Invalid options",
-        "",
-        "Each raises `ampx.OptionError`, a subclass of both `ValueError` (what new code",
-        "expects) and `RuntimeError` (what apex raised and legacy scripts catch). Nothing is",
-        "changed when `initialize` raises: torch, the model and the optimizer are as before.",
-        "",
-        "| option | rejected when |",
-        "| --- | --- |",
-    ]
-    lines += [f"| `{name}` | {rule} |" for name, rule in _OVERRIDE_RULES]
-    lines += [
-        "",
-        "apex's messages are kept word for word where apex had one, for example:",
-        "",
-        "```",
-    ]
-    for kwargs in ({"opt_level": "01"}, {"opt_level": "O1", "master_weights": True},
-                   {"opt_level": "O2", "patch_torch_functions": True}):
-        try:
-            resolve_properties(**kwargs)
-        except OptionError as exc:
-            lines.append(f"{_call_text(kwargs)}: {exc}")
-    lines += ["```", ""]
-    return "\n".join(lines)
+    _check_names(overrides)
+    level = parse_opt_level(opt_level)
+    options = {name: getattr(DEFAULTS, name) for name in FIELDS}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    options.update(given)
+    enabled = parse_flag("enabled", options["enabled"])
+    half = _session_dtype(level, given)
+    values = _level_values(level, half, given)
+    return Properties(
+        opt_level=level, enabled=enabled, dtype=half, **values,
+        cast_model_outputs=_outputs(given.get("cast_model_outputs"), values["cast_model_type"]),
+        **_scaler_values(options, values["loss_scale"] == "dynamic"),
+        skip_non_finite=skip_policy(enabled, level, half, values["loss_scale"],
+                                    given.get("skip_non_finite")),
+        allow_banned=parse_flag("allow_banned", options["allow_banned"]),
+        device_types=parse_device_types(given.get("device_types")),
+    )
 
 
-def _call_text(kwargs: dict[str, Any]) -> str:
-    return "initialize(" + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")"
+# -- options forced by `ampx run` ---------------------------------------------------------------
+
+FORCEABLE = ("opt_level", "dtype", "loss_scale", "keep_batchnorm_fp32", "master_weights",
+             "min_loss_scale", "max_loss_scale", "enabled")
+# Options that only make sense for one opt level: a forced level drops the script's values.
+_LEVEL_SPECIFIC = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
+                   "master_weights")
+_FORCED: dict[str, Any] = {}
+
+
+def set_forced_options(options: Mapping[str, Any] | None) -> None:
+    """Make every later `initialize` use these options instead of the caller's (`ampx run`).
+
+    Args:
+        options: initialize keyword values (keys: those in `FORCEABLE`); None or {} clears
+            them.
+
+    Raises:
+        ValueError: For a key that cannot be forced.
+    """
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(FORCEABLE))
+    if unknown:
+        raise ValueError(f"ampx.set_forced_options: cannot force {unknown}; "
+                         f"forceable options are {list(FORCEABLE)}.")
+    _FORCED.clear()
+    _FORCED.update(options)
+
+
+def forced_options() -> dict[str, Any]:
+    """The options `ampx run` forces on every `initialize` (a copy)."""
+    return dict(_FORCED)
+
+
+def apply_forced(requested: Mapping[str, Any], forced: Mapping[str, Any]) -> dict[str, Any]:
+    """The requested options with the forced ones put in (a forced level drops level options)."""
+    options = dict(requested)
+    if "opt_level" in forced and forced["opt_level"] != requested.get("opt_level"):
+        for key in _LEVEL_SPECIFIC:
+            if key not in forced:
+                options.pop(key, None)
+    options.update(forced)
+    return options
+
+
+def check_forced(forced: Mapping[str, Any]) -> None:
+    """Check forced options against each other before the script runs (`ampx run`).
+
+    Level-specific options are checked only when a level is forced too (otherwise only the
+    script's level can tell whether they fit).
+
+    Raises:
+        OptionError: As `resolve_properties` would inside the script.
+    """
+    checked = {k: v for k, v in forced.items() if k != "enabled"}
+    if "opt_level" not in checked:
+        for key in _LEVEL_SPECIFIC:
+            checked.pop(key, None)
+        checked["opt_level"] = OptLevel.O0.value
+    resolve_properties(**checked)
+

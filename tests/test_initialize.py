@@ -61,6 +61,14 @@ def test_disabled_returns_inputs_untouched() -> None:
     (dict(opt_level="O2", patch_torch_functions=True), "should only be set by selecting"),
     (dict(opt_level="O2", loss_scale="x"), "neither 'dynamic' nor a number"),
     (dict(opt_level="O2", dtype="int8"), "not a half-precision dtype"),
+    # issue 9, item 10
+    (dict(opt_level="O2", cast_model_type=torch.float64), "cast_model_type=torch.float64"),
+    (dict(opt_level="O2", init_scale=float("inf"), max_loss_scale=float("inf")),
+     "init_scale=inf must be a positive finite"),
+    (dict(opt_level="O2", enabled="False"), "enabled='False' must be True or False"),
+    (dict(opt_level="O1", device_types=123), "device_types=123 must be a device type"),
+    (dict(opt_level="O2", min_loss_scale=2.0**20), "larger than the initial scale"),
+    (dict(opt_level="O1", num_losess=2), "unknown option.*'num_losess'"),
 ])
 def test_invalid_options_leave_everything_untouched(kwargs: dict[str, Any], error: str) -> None:
     ampx.initialize(nn.Linear(2, 2), opt_level="O1", verbosity=0)  # an earlier session
@@ -148,3 +156,183 @@ def test_device_types_default_to_model_devices_and_can_be_overridden() -> None:
     assert patch.active().config.device_types == frozenset({"cpu"})  # type: ignore[union-attr]
     ampx.initialize(nn.Linear(2, 2), opt_level="O1", device_types=["meta"], verbosity=0)
     assert torch.mm(torch.rand(2, 2), torch.rand(2, 2)).dtype == torch.float32
+
+
+# -- issue 9, item 10: bad models and optimizers leave everything untouched ----------------------
+
+def _meta_model() -> nn.Module:
+    with torch.device("meta"):
+        return nn.Linear(4, 4)
+
+
+def _bad_inputs(case: str) -> tuple[Any, Any, list[nn.Module], list[torch.optim.Optimizer]]:
+    m, o = _pair()
+    if case == "foreign optimizer":
+        other = nn.Linear(4, 4)
+        o = torch.optim.SGD(other.parameters(), lr=0.1)
+        return m, o, [m], [o]
+    if case == "empty optimizer":
+        o = torch.optim.SGD([{"params": []}], lr=0.1)
+        return m, o, [m], [o]
+    if case == "same model twice":
+        return [m, m], o, [m], [o]
+    if case == "shared parameters":
+        return [m, m[0]], o, [m], [o]
+    meta = _meta_model()
+    return meta, None, [meta], []
+
+
+BAD_INPUTS = {
+    "foreign optimizer": "optimizers\\[0\\] \\(SGD\\) holds none of the models' parameters",
+    "empty optimizer": "optimizers\\[0\\] \\(SGD\\) holds no parameters",
+    "same model twice": "models\\[0\\] and models\\[1\\] are the same model",
+    "shared parameters": "models\\[0\\] and models\\[1\\] share parameters",
+    "meta model": "models\\[0\\] has 'weight' on the meta device",
+}
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_inputs_are_refused_and_nothing_changes(case: str, level: str,
+                                                    half_dtype: torch.dtype) -> None:
+    if case == "shared parameters" and level == "O1":  # O1 does not cast: that is fine
+        models, optimizers, _, _ = _bad_inputs(case)
+        ampx.initialize(models, optimizers, opt_level=level, dtype=half_dtype, verbosity=0)
+        return
+    models, optimizers, model_list, opt_list = _bad_inputs(case)
+    before = _snapshot()
+    params = [[(p, p.dtype) for p in m.parameters()] for m in model_list]
+    for exc_type in (ValueError, RuntimeError):
+        with pytest.raises(exc_type, match=BAD_INPUTS[case]):
+            ampx.initialize(models, optimizers, opt_level=level, dtype=half_dtype, verbosity=0)
+    assert _same(before, _snapshot()) and ampx.frontend.default_session() is None
+    assert [[(p, p.dtype) for p in m.parameters()] for m in model_list] == params
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model_list)
+    assert all(not hasattr(o, "_ampx") and not o._optimizer_step_pre_hooks for o in opt_list)
+
+
+# -- issue 9, item 11: a failure at any stage of initialize undoes everything ------------------
+
+def _two_pairs() -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), nn.Linear(8, 2)]
+    opts: list[torch.optim.Optimizer] = [
+        torch.optim.SGD(models[0].parameters(), lr=0.1, momentum=0.9),
+        torch.optim.Adam(models[1].parameters(), lr=0.1),
+    ]
+    for model, opt in zip(models, opts):  # existing optimizer state (recast at O2/O3)
+        model(torch.randn(4, 8 if model is models[1] else 4)).sum().backward()
+        opt.step()
+    return models, opts
+
+
+def _state_of_everything(models: list[nn.Module], opts: list[torch.optim.Optimizer]) -> Any:
+    def tensors(named: Any) -> list[Any]:
+        return [(n, t, t.dtype, t.detach().clone(),
+                 None if getattr(t, "grad", None) is None else t.grad.clone())
+                for n, t in named]
+
+    out: list[Any] = []
+    for model in models:
+        out.append(tensors(model.named_parameters()) + tensors(model.named_buffers()))
+        out.append([(list(m._forward_pre_hooks), list(m._forward_hooks),
+                     list(m._state_dict_hooks), list(m._load_state_dict_pre_hooks))
+                    for m in model.modules()])
+    for opt in opts:
+        out.append([list(g["params"]) for g in opt.param_groups])
+        out.append({id(p): [(k, v, v.clone() if isinstance(v, torch.Tensor) else v)
+                            for k, v in s.items()] for p, s in opt.state.items()})
+        out.append((list(opt._optimizer_step_pre_hooks), list(opt._optimizer_step_post_hooks),
+                    sorted(vars(opt))))
+    return out
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return a is b or a == b
+
+
+def _inject(monkeypatch: pytest.MonkeyPatch, target: str, nth: int,
+            exc: BaseException) -> list[int]:
+    import pydoc
+
+    owner_path, name = target.rsplit(".", 1)
+    owner = pydoc.locate(owner_path)
+    original = getattr(owner, name)
+    calls = [0]
+
+    def fail_at_nth(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == nth:
+            raise exc
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, fail_at_nth)
+    return calls
+
+
+# (target, nth call, levels where initialize reaches that call)
+STAGES = [
+    ("ampx.initializer.cast_model", 1, "O1 O2 O3"),
+    ("ampx.initializer.cast_model", 2, "O1 O2 O3"),
+    ("torch.nn.Module.register_load_state_dict_pre_hook", 3, "O2 O3"),  # inside a cast
+    ("ampx.initializer.recast_state", 1, "O2 O3"),
+    ("ampx.initializer.recast_state", 2, "O2 O3"),
+    ("ampx.initializer.attach", 1, "O1 O2 O3"),
+    ("ampx.initializer.attach", 2, "O1 O2 O3"),
+    ("torch.optim.Optimizer.register_step_post_hook", 1, "O1 O2 O3"),  # inside attach
+    ("torch.optim.Optimizer.register_step_post_hook", 2, "O1 O2 O3"),
+    ("ampx.scaler.LossScaler.to_", 1, "O1 O2 O3"),
+    ("ampx.patch.activate", 1, "O1"),
+]
+CASES = [(t, n, lv) for t, n, levels in STAGES for lv in levels.split()]
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("injected"), KeyboardInterrupt()],
+                         ids=["error", "interrupt"])
+@pytest.mark.parametrize("target,nth,level", CASES,
+                         ids=[f"{t.rsplit('.', 1)[-1]}#{n}-{lv}" for t, n, lv in CASES])
+def test_failure_at_each_stage_of_initialize_changes_nothing(
+        monkeypatch: pytest.MonkeyPatch, target: str, nth: int, level: str,
+        exc: BaseException, half_dtype: torch.dtype) -> None:
+    earlier_model, earlier_opt = _pair()
+    earlier = ampx.initialize(earlier_model, earlier_opt, opt_level="O1", verbosity=0)
+    session, patches = ampx.frontend.default_session(), patch.active()
+    scalers = list(ampx.amp._amp_state.loss_scalers)
+    models, opts = _two_pairs()
+    before, namespaces = _state_of_everything(models, opts), _snapshot()
+    calls = _inject(monkeypatch, target, nth, exc)
+    with pytest.raises(type(exc)):
+        ampx.initialize(models, opts, opt_level=level, dtype=half_dtype, verbosity=0)
+    assert calls[0] == nth  # the fault fired where intended
+    monkeypatch.undo()
+    assert _equal(_state_of_everything(models, opts), before)
+    assert _same(namespaces, _snapshot()) and patch.active() is patches
+    assert ampx.frontend.default_session() is session and earlier[1]._ampx.session is session
+    assert ampx.amp._amp_state.loss_scalers == scalers
+    # and a clean initialize of the same objects works afterwards
+    ampx.initialize(models, opts, opt_level=level, dtype=half_dtype, verbosity=0)
+
+
+# -- issue 11, item 3: the option table tells the truth ------------------------------------------
+
+@pytest.mark.parametrize("level,brief", [
+    ("O2", "{} training with FP32 batchnorm and FP32 master weights."),
+    ("O3", "Pure {} training."),
+])
+def test_log_names_the_dtype_and_effective_output_cast(caplog: pytest.LogCaptureFixture,
+                                                       level: str, brief: str,
+                                                       half_dtype: torch.dtype) -> None:
+    m, o = _pair()
+    with caplog.at_level("INFO", logger="ampx"):
+        m, o = ampx.initialize(m, o, opt_level=level, dtype=half_dtype)
+    lines = [r.getMessage() for r in caplog.records]
+    name = "BF16" if half_dtype == torch.bfloat16 else "FP16"
+    assert f"Selected optimization level {level}:  {brief.format(name)}" in lines
+    assert "cast_model_outputs     : float32" in lines
+    assert m(torch.randn(4, 4)).dtype == torch.float32  # what the table says

@@ -107,3 +107,61 @@ def test_initialize_once_per_session() -> None:
     amp.initialize(*make(0))
     with pytest.raises(RuntimeError, match="already initialized"):
         amp.initialize(*make(1))
+
+
+def test_module_level_initialize_rebuilds_apex_global_scaler_list() -> None:
+    """apex: `loss_id` indexes one global list that every `amp.initialize` rebuilds."""
+    model_1, opt_1 = ampx.initialize(*make(0), opt_level="O1", num_losses=2, verbosity=0)
+    opt_1.zero_grad()
+    loss = model_1(torch.randn(8, 4)).float().pow(2).mean() * float("inf")
+    with ampx.scale_loss(loss, opt_1, loss_id=0) as scaled:
+        scaled.backward()
+    opt_1.step()  # skipped: scaler 0 backs off
+    assert ampx.amp._amp_state.loss_scalers[0].loss_scale() == 32768.0
+    first_list = ampx.amp._amp_state.loss_scalers
+    ampx.initialize(*make(1), opt_level="O1", verbosity=0)
+    scalers = ampx.amp._amp_state.loss_scalers
+    assert scalers is first_list and len(scalers) == 1  # one list, refilled
+    # the FIRST model's optimizer now uses the fresh scaler 0, as with apex
+    opt_1.zero_grad()
+    loss = model_1(torch.randn(8, 4)).float().pow(2).mean()
+    with ampx.scale_loss(loss, opt_1, loss_id=0) as scaled:
+        assert scaled.item() == pytest.approx(loss.item() * 65536.0)
+        scaled.backward()
+    opt_1.step()
+    assert not ampx.step_was_skipped(opt_1)
+    with pytest.raises(IndexError, match="loss_id=1 but num_losses=1"):
+        with ampx.scale_loss(loss, opt_1, loss_id=1):
+            pass
+    assert ampx.state_dict() == {"loss_scaler0": scalers[0].state_dict()}
+
+
+def test_disabled_module_level_initialize_keeps_the_scalers() -> None:
+    ampx.initialize(*make(0), opt_level="O2", verbosity=0, init_scale=8.0)
+    scaler = ampx.amp._amp_state.loss_scalers[0]
+    ampx.initialize(*make(1), enabled=False)
+    assert ampx.amp._amp_state.loss_scalers == [scaler]
+
+
+def test_object_sessions_keep_their_own_scalers_beside_module_level_ones() -> None:
+    amp = ampx.Amp(opt_level="O2", init_scale=4.0, verbosity=0)
+    amp.initialize(*make(0))
+    ampx.initialize(*make(1), opt_level="O2", verbosity=0)
+    ampx.initialize(*make(2), opt_level="O2", init_scale=2.0, verbosity=0)
+    assert amp.loss_scale() == 4.0 and amp.scalers is not ampx.amp._amp_state.loss_scalers
+    assert ampx.amp._amp_state.loss_scalers[0].loss_scale() == 2.0
+
+
+def test_package_names_load_lazily_in_a_fresh_process() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, ampx; assert 'torch' not in sys.modules and 'ampx.frontend' not in "
+            "sys.modules; from ampx import amp, Amp; import ampx.frontend as f; "
+            "assert Amp is f.Amp and amp.initialize is ampx.initialize; "
+            "assert sorted(ampx.__all__) == sorted([*ampx._EXPORTS, 'amp']); "
+            "assert all(getattr(ampx, n) is not None for n in ampx.__all__); "
+            "assert set(ampx.__all__) <= set(dir(ampx))")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        ampx.nothing  # noqa: B018

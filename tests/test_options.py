@@ -160,3 +160,23 @@ def test_any_namespace_like_object() -> None:
     assert kwargs["opt_level"] == "O1" and kwargs["dtype"] == "bf16"
     assert kwargs["min_loss_scale"] == 1e-4 and kwargs["growth_interval"] == 2000
     assert optimizer_kwargs_from_args(cfg) == {"tolerance": 0.0, "min_loss_scale": 1e-4}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--loss-scale", "big"], "loss_scale='big' is neither 'dynamic' nor a number"),
+    (["--loss-scale", "inf"], "must be a positive finite number"),
+    (["--keep-batchnorm-fp32", "maybe"], "keep_batchnorm_fp32='maybe' is not valid"),
+    (["--opt-level", "00"], "invalid choice: '00'"),
+    (["--amp-dtype", "fp8"], "invalid choice: 'fp8'"),
+])
+def test_flags_use_initializes_parsers(argv: list[str], message: str,
+                                       capsys: pytest.CaptureFixture) -> None:
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv)
+    assert message in capsys.readouterr().err
+    # the choices are initialize's own lists
+    actions = parser._option_string_actions
+    assert actions["--opt-level"].choices == ampx.option_values.OPT_LEVELS
+    assert actions["--amp-dtype"].choices == ampx.option_values.DTYPE_CHOICES

@@ -20,8 +20,17 @@ Example::
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from ..opt_levels import DEFAULTS
+from ..option_values import (
+    DTYPE_CHOICES,
+    OPT_LEVELS,
+    OptionError,
+    parse_bool,
+    parse_loss_scale,
+)
 
 __all__ = [
     "AMPX_OPTIONS",
@@ -43,53 +52,48 @@ FAIRSEQ_PRECISION_FLAGS = ("fp16", "bf16", "memory_efficient_fp16", "memory_effi
 _DESTS_ATTR = "ampx_option_dests"
 
 
-def _loss_scale(value: str) -> float | str:
-    """argparse type of --loss-scale: "dynamic" or a positive number."""
-    if value.strip().lower() == "dynamic":
-        return "dynamic"
-    try:
-        scale = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--loss-scale: {value!r} is neither 'dynamic' nor a number"
-        ) from None
-    if not scale > 0 or scale == float("inf"):
-        raise argparse.ArgumentTypeError(f"--loss-scale: {value!r} must be positive and finite")
-    return scale
+def _argtype(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+    """An argparse `type` from one of ampx's option parsers (its message, as argparse's)."""
+
+    def convert(value: str) -> Any:
+        try:
+            return parse(value)
+        except OptionError as exc:
+            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+
+    convert.__name__ = name  # argparse names the type in its messages
+    return convert
 
 
-def _tri_bool(value: str) -> bool:
-    """argparse type of the True/False options (apex scripts pass the strings)."""
-    text = value.strip().lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected True or False, got {value!r}")
+_loss_scale = _argtype(lambda v: parse_loss_scale(v, api="--loss-scale"), "loss scale")
+_keep_bn = _argtype(lambda v: parse_bool("keep_batchnorm_fp32", v, api="--keep-batchnorm-fp32"),
+                    "True/False")
+_masters = _argtype(lambda v: parse_bool("master_weights", v, api="--master-weights"),
+                    "True/False")
 
 
 # (option string, dest, add_argument keywords). Defaults: --opt-level None keeps ampx off (a
-# pass-through session) until a level is chosen; the scaling defaults are ampx.Amp's, except
-# --min-loss-scale, which uses fairseq's 1e-4 so that a parser with and one without fairseq's
-# flags behave alike.
+# pass-through session) until a level is chosen; the others are `ampx.Properties`' defaults,
+# except --min-loss-scale, which uses fairseq's 1e-4 so that a parser with and one without
+# fairseq's flags behave alike.
 AMPX_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--opt-level", "opt_level", dict(
-        default=None, choices=("O0", "O1", "O2", "O3"),
+        default=None, choices=OPT_LEVELS,
         help="ampx optimization level: O0 fp32, O1 casts around torch functions, O2 half "
              "model with fp32 master weights, O3 pure half precision (the letter O). "
              "Default: ampx off")),
     ("--amp-dtype", "amp_dtype", dict(
-        default="fp16", choices=("fp16", "bf16"),
+        default=DTYPE_CHOICES[0], choices=DTYPE_CHOICES,
         help="half-precision dtype of the ampx session (default: %(default)s)")),
     ("--loss-scale", "loss_scale", dict(
         default=None, type=_loss_scale, metavar="{dynamic,N}",
         help="'dynamic' or a static loss scale (default: the opt level's: dynamic for fp16 "
              "O1/O2, 1.0 for O0/O3 and for bf16)")),
     ("--init-scale", "init_scale", dict(
-        default=2.0**16, type=float, metavar="S",
+        default=DEFAULTS.init_scale, type=float, metavar="S",
         help="initial dynamic loss scale (default: %(default)s)")),
     ("--scale-window", "scale_window", dict(
-        default=2000, type=int, metavar="N",
+        default=DEFAULTS.growth_interval, type=int, metavar="N",
         help="clean updates between two growths of the dynamic loss scale "
              "(default: %(default)s)")),
     ("--scale-tolerance", "scale_tolerance", dict(
@@ -98,7 +102,7 @@ AMPX_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
              "of the updates since the last rescale overflowed; applied by the fairseq-style "
              "optimizer wrapper (default: %(default)s)")),
     ("--hysteresis", "hysteresis", dict(
-        default=1, type=int, metavar="N",
+        default=DEFAULTS.hysteresis, type=int, metavar="N",
         help="consecutive overflows tolerated before the dynamic scale backs off "
              "(default: %(default)s)")),
     ("--min-loss-scale", "min_loss_scale", dict(
@@ -110,10 +114,10 @@ AMPX_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         help="floor of the dynamic loss scale: it never backs off below this and keeps "
              "skipping there instead of raising (default: no threshold)")),
     ("--keep-batchnorm-fp32", "keep_batchnorm_fp32", dict(
-        default=None, type=_tri_bool, metavar="{True,False}",
+        default=DEFAULTS.keep_batchnorm_fp32, type=_keep_bn, metavar="{True,False}",
         help="keep batchnorm in fp32 when the model is cast (default: the opt level's)")),
     ("--master-weights", "master_weights", dict(
-        default=None, type=_tri_bool, metavar="{True,False}",
+        default=DEFAULTS.master_weights, type=_masters, metavar="{True,False}",
         help="keep fp32 master weights in the optimizer (default: the opt level's)")),
 )
 
@@ -163,9 +167,13 @@ def _find_group(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup | No
     return None
 
 
-def _get(args: Any, dest: str, default: Any = None) -> Any:
+_DEFAULTS = {dest: kwargs.get("default") for _, dest, kwargs in AMPX_OPTIONS}
+
+
+def _get(args: Any, dest: str) -> Any:
+    """The value of an ampx flag (from the reused option's dest if any; else the default)."""
     dests = getattr(args, _DESTS_ATTR, None) or {}
-    return getattr(args, dests.get(dest, dest), default)
+    return getattr(args, dests.get(dest, dest), _DEFAULTS[dest])
 
 
 def amp_kwargs_from_args(args: Any) -> dict[str, Any]:
@@ -202,18 +210,18 @@ def amp_kwargs_from_args(args: Any) -> dict[str, Any]:
             f"{', '.join(clashing)}: fairseq would cast the model and build its own fp16 "
             "optimizer. Use either fairseq's precision flags or ampx's, not both."
         )
-    min_scale = _get(args, "min_loss_scale", 1e-4)
+    min_scale = _get(args, "min_loss_scale")
     threshold = _get(args, "threshold_loss_scale")
     floor = min_scale
     if threshold is not None:
         floor = threshold if min_scale is None else max(float(threshold), float(min_scale))
     return {
         "opt_level": opt_level,
-        "dtype": _get(args, "amp_dtype", "fp16"),
+        "dtype": _get(args, "amp_dtype"),
         "loss_scale": _get(args, "loss_scale"),
-        "init_scale": float(_get(args, "init_scale", 2.0**16)),
-        "growth_interval": int(_get(args, "scale_window", 2000)),
-        "hysteresis": int(_get(args, "hysteresis", 1)),
+        "init_scale": float(_get(args, "init_scale")),
+        "growth_interval": int(_get(args, "scale_window")),
+        "hysteresis": int(_get(args, "hysteresis")),
         "min_loss_scale": None if floor is None else float(floor),
         "keep_batchnorm_fp32": _get(args, "keep_batchnorm_fp32"),
         "master_weights": _get(args, "master_weights"),
@@ -228,9 +236,9 @@ def optimizer_kwargs_from_args(args: Any) -> dict[str, Any]:
         raises `FloatingPointError` when an overflow takes the scale to `min_loss_scale`, which
         cannot happen when `--threshold-loss-scale` holds the scale above it (fairseq's rules).
     """
-    min_scale = _get(args, "min_loss_scale", 1e-4)
+    min_scale = _get(args, "min_loss_scale")
     return {
-        "tolerance": float(_get(args, "scale_tolerance", 0.0)),
+        "tolerance": float(_get(args, "scale_tolerance")),
         "min_loss_scale": None if min_scale is None else float(min_scale),
     }
 

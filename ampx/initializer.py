@@ -1,0 +1,188 @@
+"""`initialize` as one transaction: check what it is handed, prepare it, or change nothing.
+
+`check_inputs` refuses bad models and optimizers before anything is touched. `prepare` casts
+the models, recasts optimizer state, attaches the optimizers, moves the scalers and installs
+O1's patches; every change is recorded in an undo log first, and on any exception (including
+KeyboardInterrupt) the log is played back, so models, optimizers (state, step hooks,
+attributes) and torch are exactly as they were handed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import patch
+from .masters import optimizer_params, recast_state
+from .model import MasterMap, ModelCast, cast_model, check_models, device_types_of
+from .opt_levels import OptionError
+from .optimizer import Policy
+from .stepping import attach, check_optimizers
+
+__all__ = ["Inputs", "Prepared", "check_inputs", "prepare"]
+
+
+@dataclass
+class Inputs:
+    """The checked models and optimizers, and the shapes they came in."""
+
+    models: list[nn.Module]
+    models_was_list: bool
+    optimizers: list[torch.optim.Optimizer]
+    optimizers_was_list: bool
+
+    def returned(self) -> Any:
+        """apex's return shapes: a single model/optimizer single, a list a list."""
+        models = self.models if self.models_was_list else self.models[0]
+        if self.optimizers_was_list:
+            return models, self.optimizers
+        if not self.optimizers:
+            return models
+        return models, self.optimizers[0]
+
+
+@dataclass
+class Prepared:
+    """What `prepare` did, for the session to keep."""
+
+    casts: list[ModelCast]
+    o1: patch.O1Patches | None
+
+
+def check_inputs(models: Any, optimizers: Any, *, casts_model: bool) -> Inputs:
+    """Check the models and optimizers handed to `initialize`; touches nothing.
+
+    Raises:
+        TypeError: For models/optimizers of the wrong type (apex's messages).
+        RuntimeError: For a parallel-wrapped model or an optimizer already initialized.
+        OptionError: For the same model twice, models sharing parameters when the model is
+            cast, a model on the meta device, an optimizer without parameters or one holding
+            none of the models' parameters.
+    """
+    model_list, models_was_list = check_models(models)
+    opt_list, opts_was_list = check_optimizers(optimizers)
+    owner: dict[int, int] = {}
+    for i, model in enumerate(model_list):
+        _check_materialized(i, model)
+        for j, other in enumerate(model_list[:i]):
+            if other is model:
+                raise OptionError(f"ampx.initialize: models[{j}] and models[{i}] are the same "
+                                  "model; pass each model once.")
+        for param in model.parameters():
+            j = owner.setdefault(id(param), i)
+            if j != i and casts_model:
+                raise OptionError(
+                    f"ampx.initialize: models[{j}] and models[{i}] share parameters; a cast "
+                    "model needs parameters of its own (pass the outer model only).")
+    for i, opt in enumerate(opt_list):
+        params = list(optimizer_params(opt))
+        name = f"optimizers[{i}] ({type(opt).__name__})"
+        if not params:
+            raise OptionError(f"ampx.initialize: {name} holds no parameters.")
+        if not any(id(p) in owner for p in params):
+            raise OptionError(
+                f"ampx.initialize: {name} holds none of the models' parameters: pass the "
+                "model(s) it trains, and build the optimizer from their parameters.")
+    return Inputs(model_list, models_was_list, opt_list, opts_was_list)
+
+
+def _check_materialized(index: int, model: nn.Module) -> None:
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            raise OptionError(
+                f"ampx.initialize: models[{index}] has {name!r} on the meta device; "
+                "materialize the model (e.g. model.to_empty(device=...) and initialize its "
+                "weights) before ampx.initialize.")
+
+
+def prepare(session: Any, inputs: Inputs, policy: Policy) -> Prepared:
+    """Cast, attach and patch for `session`; all or nothing.
+
+    Args:
+        session: The `ampx.Amp` being initialized (its `properties` and `scalers` are read;
+            it becomes the optimizers' session). Not imported here: `session` imports this
+            module.
+        inputs: What `check_inputs` returned.
+        policy: The session's policy, handed to each optimizer's state.
+
+    Raises:
+        BaseException: Whatever a step raised, after every change was undone.
+    """
+    props = session.properties
+    undo: list[Callable[[], None]] = []
+    casts: list[ModelCast] = []
+    try:
+        masters = MasterMap()
+        split: set[int] = set()
+        if props.master_weights and props.cast_model_type not in (None, torch.float32):
+            split = {id(p) for opt in inputs.optimizers for p in optimizer_params(opt)
+                     if p.is_floating_point()}
+        for model in inputs.models:
+            casts.append(cast_model(
+                model, props.cast_model_type, keep_batchnorm_fp32=props.keep_batchnorm_fp32,
+                split_params=split, cast_outputs=props.cast_model_outputs, masters=masters,
+            ))
+            undo.append(casts[-1].undo)
+        for opt in inputs.optimizers:
+            undo.append(_optimizer_undo(opt))
+            if props.cast_model_type is not None:
+                recast_state(opt)
+            attach(opt, session, masters, policy)
+        device = _first_device(inputs)
+        for scaler in session.scalers:
+            scaler.to_(device)
+        o1 = None
+        if props.patch_torch_functions:
+            o1 = patch.activate(patch.CastConfig(
+                dtype=props.dtype,
+                device_types=props.device_types or device_types_of(inputs.models),
+                allow_banned=props.allow_banned, verbose=props.verbosity == 2,
+            ))
+    except BaseException:
+        while undo:
+            undo.pop()()
+        raise
+    return Prepared(casts, o1)
+
+
+def _optimizer_undo(opt: torch.optim.Optimizer) -> Callable[[], None]:
+    """Snapshot what `prepare` may change on `opt`; the returned function puts it back."""
+    hooks: tuple[dict[int, Any], ...] = (opt._optimizer_step_pre_hooks,
+                                         opt._optimizer_step_post_hooks)
+    hook_keys = [set(h) for h in hooks]
+    state = {p: dict(s) for p, s in opt.state.items()}
+    groups = [list(g["params"]) for g in opt.param_groups]
+    attrs = dict(vars(opt))  # attach adds `_ampx` and an instance `zero_grad`
+
+    def undo() -> None:
+        for live, keys in zip(hooks, hook_keys):
+            for key in [k for k in live if k not in keys]:
+                del live[key]
+        for param in [p for p in opt.state if p not in state]:
+            del opt.state[param]
+        for param, saved in state.items():
+            opt.state[param].clear()
+            opt.state[param].update(saved)
+        for group, params in zip(opt.param_groups, groups):
+            group["params"][:] = params
+        for name in [a for a in vars(opt) if a not in attrs]:
+            delattr(opt, name)
+        for name, value in attrs.items():
+            if vars(opt).get(name) is not value:
+                setattr(opt, name, value)
+
+    return undo
+
+
+def _first_device(inputs: Inputs) -> torch.device:
+    for opt in inputs.optimizers:
+        for param in optimizer_params(opt):
+            return param.device
+    for model in inputs.models:
+        for param in model.parameters():
+            return param.device
+    return torch.device("cpu")

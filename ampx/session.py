@@ -1,0 +1,375 @@
+"""`Amp`: one mixed-precision session (its options, loss scalers, and what it initialized).
+
+The session wires the pieces together and holds no algorithm: options come from
+`opt_levels`, `initialize`'s transaction from `initializer`, patching from `patch`, scaling
+from `scaler`, the scaled-backward protocol from `optimizer`/`scaled_pass` and checkpoints
+from `checkpoint`. apex's module-level functions on a default session are in `frontend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from . import checkpoint, distributed, initializer, patch, telemetry
+from .masters import optimizer_params
+from .model import ModelCast
+from .opt_levels import (
+    Properties,
+    apply_forced,
+    brief,
+    forced_options,
+    resolve_properties,
+)
+from .optimizer import OptimizerAmpState, Policy, amp_state_of
+from .option_values import HALF_DTYPES
+from .scaled_pass import ScaledPass
+from .scaler import LossScaler
+
+__all__ = ["Amp"]
+
+logger = logging.getLogger("ampx")
+
+
+class Amp:
+    """One mixed-precision session: options, loss scalers, and what it initialized.
+
+    Several `Amp` objects can coexist, each with its own loss scalers (for example two O2
+    models with separate scale trajectories). The module-level functions (`ampx.initialize`,
+    apex's API) instead share one list of scalers, as apex did: see `initialize`. O1's
+    function patching is process-wide: the newest O1 session takes the patches over from the
+    previous one (the older session's models then run under the newer session's casts).
+
+    Args:
+        opt_level: "O0", "O1", "O2" or "O3" (apex's table, see docs/opt-levels.md).
+        sync_overflow: All-reduce the overflow flag across ranks when torch.distributed runs
+            with several ranks, so all ranks skip the same steps.
+        process_group: The group for that all-reduce (default: the world).
+        **overrides: Any other field of `ampx.Properties` (`dtype`, `loss_scale`,
+            `num_losses`, `init_scale`, `skip_non_finite`, `device_types`, ...), with the
+            defaults and meanings of `Properties`.
+
+    Raises:
+        UnknownOptionError: For a keyword `Properties` doesn't have (all are listed).
+        OptionError: For options that don't fit.
+
+    Example::
+
+        amp = ampx.Amp(opt_level="O2", dtype="bf16")
+        model, optimizer = amp.initialize(model, optimizer)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+            optimizer.step()
+    """
+
+    def __init__(self, opt_level: str = "O1", *, sync_overflow: bool = True,
+                 process_group: Any = None, **overrides: Any) -> None:
+        self.requested: dict[str, Any] = {"opt_level": opt_level, **overrides}
+        self.forced = forced_options()
+        self.properties: Properties = resolve_properties(
+            **apply_forced(self.requested, self.forced))
+        self.sync_overflow = sync_overflow
+        self.process_group = process_group
+        props = self.properties
+        self.scalers: list[LossScaler] = [
+            LossScaler(props.scale, **props.scaler_options(), loss_id=i)
+            for i in range(props.num_losses)
+        ]
+        self.models: list[torch.nn.Module] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._model_casts: list[ModelCast] = []
+        self._o1: patch.O1Patches | None = None
+        self._initialized = False
+
+    @classmethod
+    def from_args(cls, args: Any, **overrides: Any) -> Amp:
+        """Build a session from the flags `ampx.add_args(parser)` added (argparse or config).
+
+        Args:
+            args: The parsed arguments (see `ampx.compat.options.amp_kwargs_from_args`).
+            **overrides: `Amp` keyword arguments that replace the flags' values.
+
+        Raises:
+            ValueError: When `--opt-level` is combined with fairseq's own precision flags.
+            OptionError: For options that don't fit.
+
+        Example::
+
+            parser = argparse.ArgumentParser()
+            ampx.add_args(parser)
+            amp = ampx.Amp.from_args(parser.parse_args())
+        """
+        from .compat.options import amp_kwargs_from_args
+
+        kwargs = amp_kwargs_from_args(args)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    # -- configuration views (`Properties` decides) ------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        """False when the session is a pass-through."""
+        return self.properties.enabled
+
+    @property
+    def skips_non_finite(self) -> bool:
+        """Whether steps with non-finite gradients are skipped (`Properties.skip_non_finite`)."""
+        return bool(self.properties.skip_non_finite)
+
+    @property
+    def scales_gradients(self) -> bool:
+        """False on apex's short-circuit path (`Properties.scales_gradients`)."""
+        return self.properties.scales_gradients
+
+    # -- initialize ---------------------------------------------------------------------------
+    def initialize(self, models: Any, optimizers: Any = None) -> Any:
+        """Prepare models and optimizers for this session; returns them in apex's shapes.
+
+        Returns the very same optimizer objects (same class, same state, LR schedulers keep
+        working). A single model/optimizer comes back single, a list comes back a list;
+        without optimizers only the model(s) are returned, unless `optimizers` was a list.
+
+        Raises:
+            TypeError: For models/optimizers of the wrong type.
+            RuntimeError: For a model wrapped in (Distributed)DataParallel, an optimizer
+                already initialized, or a second `initialize` of this `Amp`.
+            OptionError: For options that don't fit, and for inputs `initialize` refuses
+                (the same model twice, a meta-device model, an optimizer holding none of
+                the models' parameters; see `ampx.initializer.check_inputs`).
+        Nothing is changed when it raises, whatever it raises (KeyboardInterrupt included).
+        """
+        if self._initialized:
+            raise RuntimeError(
+                "Amp.initialize: this Amp object was already initialized; create a new "
+                "ampx.Amp(...) (or call ampx.initialize again) for other models."
+            )
+        props = self.properties
+        if not props.enabled:
+            self._initialized = True
+            return models if optimizers is None else (models, optimizers)
+        inputs = initializer.check_inputs(models, optimizers,
+                                          casts_model=props.cast_model_type is not None)
+        self._check_param_dtypes(inputs.models)
+        self._log_properties()
+        prepared = initializer.prepare(self, inputs, self._policy())
+        self.models, self.optimizers = inputs.models, inputs.optimizers
+        self._model_casts, self._o1 = prepared.casts, prepared.o1
+        self._initialized = True
+        tel = telemetry.sink()
+        if tel is not None:
+            tel.emit("init", opt_level=props.opt_level.value, dtype=_dtype_name(props.dtype),
+                     loss_scale=props.scale, properties=props.as_dict(),
+                     requested=_jsonable(self.requested), forced=_jsonable(self.forced))
+        return inputs.returned()
+
+    def _check_param_dtypes(self, models: list[torch.nn.Module]) -> None:
+        for model in models:
+            for name, param in model.named_parameters():
+                if param.dtype in HALF_DTYPES:
+                    logger.warning(
+                        "ampx.initialize: parameter %s is already %s. You do not need to call "
+                        ".half() on your model before initialize; ampx accepts it, but fp32 "
+                        "master weights are then made from half-precision values.",
+                        name, param.dtype,
+                    )
+                    return
+
+    def _log_properties(self) -> None:
+        props = self.properties
+        if props.verbosity == 0 or distributed.rank() != 0:
+            return
+        logger.info("Selected optimization level %s:  %s", props.opt_level.value,
+                    brief(props.opt_level, props.dtype))
+        for key, value in props.as_dict().items():
+            logger.info("%-22s : %s", key, value)
+        replaced = {k: (self.requested.get(k), v) for k, v in self.forced.items()
+                    if self.requested.get(k) != v}
+        for key, (old, new) in replaced.items():
+            logger.info("ampx run overrides %s: script passed %r, using %r", key, old, new)
+
+    # -- scale_loss ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scale_loss(
+        self,
+        loss: torch.Tensor,
+        optimizers: Any,
+        loss_id: int = 0,
+        model: Any = None,
+        delay_unscale: bool = False,
+        delay_overflow_check: bool = False,
+    ) -> Iterator[torch.Tensor]:
+        """Yield the scaled loss; on exit unscale the gradients and check them.
+
+        Call `.backward()` on the yielded tensor inside the block. On exit, this pass's
+        gradients are unscaled (into the fp32 masters at O2, adding onto gradients of earlier
+        passes), inf/NaN are flagged on the device, and the loss scale is updated there. The
+        next `optimizer.step()` reads the flag once (the only host sync of a step) and is
+        skipped if the gradients were not finite.
+
+        Args:
+            loss: The loss tensor.
+            optimizers: The optimizer, or a list of every optimizer whose parameters get
+                gradients from this backward.
+            loss_id: Which loss scaler to use (`num_losses` made them).
+            model: Accepted for apex compatibility; unused.
+            delay_unscale: Leave the gradients scaled (apex's accumulation optimisation); the
+                next `scale_loss` without it unscales everything. Don't step in between.
+            delay_overflow_check: Don't update the scale or skip steps for this pass (apex).
+
+        Raises:
+            TypeError: If an optimizer never went through `initialize`.
+            IndexError: For a `loss_id` without a scaler.
+        """
+        if not self.properties.enabled:
+            yield loss
+            return
+        opts = _optimizer_list(optimizers)
+        states = [self._state_of(opt) for opt in opts]
+        if not 0 <= loss_id < len(self.scalers):
+            raise IndexError(
+                f"ampx.scale_loss: loss_id={loss_id} but num_losses={len(self.scalers)}; pass "
+                "num_losses=N to initialize to get N loss scalers."
+            )
+        if not self.scales_gradients:  # apex's short-circuit (O0, O3 with fp16)
+            yield from _short_circuit(loss, states)
+            return
+
+        scaled = ScaledPass(opts, states, self.scalers[loss_id], self.synchronize_found_inf)
+        scaled.begin()
+        try:
+            yield self.scalers[loss_id].scale_loss_value(loss)
+        except BaseException:
+            scaled.abort()
+            patch.clear_cache()
+            raise
+        try:
+            scaled.end(loss.detach(), loss_id=loss_id, delay_unscale=delay_unscale,
+                       check=not delay_overflow_check)
+        finally:
+            patch.clear_cache()
+
+    def _policy(self) -> Policy:
+        """What this session hands each optimizer's state at attach."""
+        return Policy(scales=self.scales_gradients, skips=self.skips_non_finite,
+                      master_weights=bool(self.properties.master_weights),
+                      on_overflow=self._report_overflow, on_step=self.record_step)
+
+    def _report_overflow(self, loss_ids: Any) -> None:
+        for loss_id in loss_ids:
+            self.scalers[loss_id].report_overflow()
+
+    def _state_of(self, optimizer: Any) -> OptimizerAmpState:
+        state = amp_state_of(optimizer)
+        if state is None:
+            raise TypeError(
+                "scale_loss() needs an optimizer passed through ampx.initialize(); got "
+                f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+            )
+        if state.owner is not self:
+            raise ValueError(
+                "ampx.scale_loss: this optimizer was initialized by another Amp session; use "
+                "that session's scale_loss (or ampx.scale_loss, which finds it)."
+            )
+        return state
+
+    def synchronize_found_inf(self, found_inf: torch.Tensor) -> None:
+        """All-reduce an overflow flag across ranks (MAX) when running distributed."""
+        if self.sync_overflow and distributed.is_multi_rank(self.process_group):
+            distributed.reduce_found_inf_(found_inf, self.process_group)
+
+    # -- results and telemetry ------------------------------------------------------------------
+    def step_was_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the last `optimizer.step()` was skipped (no host sync)."""
+        return self._state_of(optimizer).last_step_skipped
+
+    def loss_scale(self, loss_id: int = 0) -> float:
+        """The current scale of a loss as a float (one host sync)."""
+        return self.scalers[loss_id].loss_scale()
+
+    def record_step(self, optimizer: torch.optim.Optimizer, state: OptimizerAmpState) -> None:
+        """Called after every step of an initialized optimizer (telemetry, when enabled)."""
+        tel = telemetry.sink()
+        now = time.perf_counter()
+        if tel is not None:
+            loss = state.last_loss
+            loss_ids = sorted(state.loss_ids) or [0]
+            params = next(iter(optimizer_params(optimizer)), None)
+            tel.step(
+                optimizer=self.optimizers.index(optimizer) if optimizer in self.optimizers else 0,
+                step_time_s=now - state.last_step_end,
+                loss=float(loss.item()) if loss is not None else None,
+                loss_scale=self.scalers[loss_ids[0]].loss_scale(),
+                skipped=state.last_step_skipped,
+                device=params.device if params is not None else None,
+            )
+        state.last_step_end = now
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self, destination: dict | None = None) -> dict[str, Any]:
+        """`{"loss_scaler0": {...}, ...}`: apex's keys, each entry extended with ampx's state.
+
+        O2 master weights are saved by `model.state_dict()` itself (its split parameters come
+        out as their fp32 masters), so the usual model + optimizer + amp checkpoint resumes
+        without losing precision.
+        """
+        out: dict[str, Any] = OrderedDict() if destination is None else destination
+        for i, scaler in enumerate(self.scalers):
+            out[f"loss_scaler{i}"] = scaler.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load `state_dict()` output or an apex checkpoint's amp entry.
+
+        Every entry is validated before any is applied: a malformed checkpoint changes nothing.
+        Entries are matched by the number in their key (apex used the iteration order).
+
+        Raises:
+            CheckpointError: Naming the offending key.
+        """
+        checkpoint.load(self.scalers, state_dict, stacklevel=4)
+
+    # -- teardown ---------------------------------------------------------------------------------
+    @property
+    def owns_patches(self) -> bool:
+        """True while this session's O1 patches are the installed ones."""
+        return self._o1 is not None and patch.active() is self._o1
+
+    def restore(self) -> None:
+        """Remove this session's O1 patches (if it still owns them)."""
+        if self._o1 is not None and patch.active() is self._o1:
+            patch.deactivate()
+        self._o1 = None
+
+
+def _short_circuit(loss: torch.Tensor, states: list[OptimizerAmpState]) -> Iterator[torch.Tensor]:
+    try:
+        yield loss.float()
+    finally:
+        patch.clear_cache()
+    for state in states:
+        state.last_loss = loss.detach()
+
+
+def _optimizer_list(optimizers: Any) -> list[Any]:
+    if optimizers is None:
+        return []
+    if isinstance(optimizers, (list, tuple)):
+        return list(optimizers)
+    return [optimizers]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _jsonable(options: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _dtype_name(v) if isinstance(v, torch.dtype) else v for k, v in options.items()}
