@@ -66,6 +66,7 @@ def property_table() -> list[tuple[str, dict[str, str]]]:
 _NONE_MEANS = {
     "min_loss_scale": "None (no floor)",
     "device_types": "None (the devices of the models' tensors)",
+    "detect_overflow": "None (off)",
 }
 
 

@@ -89,6 +89,11 @@ class MasterMap:
         """Forget the master of `model_param` (initialize's undo)."""
         self._by_id.pop(id(model_param), None)
 
+    def discard(self, model_param: torch.Tensor) -> None:
+        """Forget `model_param`'s master (O2 fp32-fallback: its module now uses the master)."""
+        if self.master_of(model_param) is not None:
+            del self._by_id[id(model_param)]
+
     def pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """Every (model_param, master) pair."""
         return list(self._by_id.values())

@@ -31,6 +31,7 @@ from .option_values import (
     parse_flag,
     parse_loss_scale,
     parse_opt_level,
+    parse_overflow_options,
     parse_positive,
 )
 
@@ -82,6 +83,11 @@ class Properties:
             dynamic scale, and with bf16 at O1-O3; never when disabled.
         allow_banned: Run banned functions (binary_cross_entropy) in float32 instead of raising.
         device_types: Device types whose tensors O1 casts (None: the models' devices).
+        on_overflow: When overflows persist: "skip", "raise" or "fp32-fallback"
+            (docs/debugging-overflows.md).
+        overflow_patience: Consecutive skips before "raise"; skips of one module before
+            "fp32-fallback" runs it in float32.
+        detect_overflow: "forward": find the first module whose output became inf/NaN.
     """
 
     opt_level: OptLevel = OptLevel.O1
@@ -105,6 +111,9 @@ class Properties:
     skip_non_finite: bool | None = None
     allow_banned: bool = False
     device_types: frozenset[str] | None = None
+    on_overflow: str = "skip"
+    overflow_patience: int = 8
+    detect_overflow: str | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -358,13 +367,15 @@ def resolve_properties(opt_level: Any = DEFAULTS.opt_level.value, **overrides: A
                                     given.get("skip_non_finite")),
         allow_banned=parse_flag("allow_banned", options["allow_banned"]),
         device_types=parse_device_types(given.get("device_types")),
+        **parse_overflow_options(options["on_overflow"], options["overflow_patience"],
+                                 given.get("detect_overflow")),
     )
 
 
 # -- options forced by `ampx run` ---------------------------------------------------------------
 
 FORCEABLE = ("opt_level", "dtype", "loss_scale", "keep_batchnorm_fp32", "master_weights",
-             "min_loss_scale", "max_loss_scale", "enabled")
+             "min_loss_scale", "max_loss_scale", "enabled", "detect_overflow")
 # Options that only make sense for one opt level: a forced level drops the script's values.
 _LEVEL_SPECIFIC = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
                    "master_weights")

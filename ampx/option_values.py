@@ -13,8 +13,10 @@ from typing import Any, Union
 import torch
 
 __all__ = [
+    "DETECT_OVERFLOW",
     "DTYPE_CHOICES",
     "LETTER_O_HINT",
+    "ON_OVERFLOW",
     "OPT_LEVELS",
     "LossScale",
     "OptLevel",
@@ -26,6 +28,7 @@ __all__ = [
     "parse_flag",
     "parse_loss_scale",
     "parse_opt_level",
+    "parse_overflow_options",
 ]
 
 
@@ -171,3 +174,27 @@ def parse_device_types(value: Any) -> frozenset[str] | None:
     if not names:
         raise OptionError(message)
     return frozenset(names)
+
+
+ON_OVERFLOW: tuple[str, ...] = ("skip", "raise", "fp32-fallback")  # docs/debugging-overflows.md
+DETECT_OVERFLOW: tuple[str, ...] = ("forward",)
+
+
+def parse_overflow_options(on_overflow: Any, patience: Any, detect: Any) -> dict[str, Any]:
+    """Check `on_overflow`, `overflow_patience` and `detect_overflow` (False/"none": off).
+
+    >>> parse_overflow_options("raise", 3, "none")
+    {'on_overflow': 'raise', 'overflow_patience': 3, 'detect_overflow': None}
+    """
+    if on_overflow not in ON_OVERFLOW:
+        raise OptionError(f"ampx.initialize: on_overflow={on_overflow!r} is not one of "
+                          f"{', '.join(repr(m) for m in ON_OVERFLOW)}.")
+    if detect is False or detect == "none":
+        detect = None
+    if detect is not None and detect not in DETECT_OVERFLOW:
+        raise OptionError(f"ampx.initialize: detect_overflow={detect!r} is not one of None, "
+                          "'forward' (forward hooks that find the first module whose output "
+                          "became inf/NaN).")
+    return {"on_overflow": on_overflow,
+            "overflow_patience": parse_count("overflow_patience", patience),
+            "detect_overflow": detect}

@@ -22,6 +22,7 @@ from torch import nn
 
 from . import patch
 from .casting import cast_tree
+from .option_values import ON_OVERFLOW
 from .overflow import ROOT_MODULE, OverflowReport
 
 __all__ = ["ON_OVERFLOW", "Fp32Fallback", "OverflowPersistsError", "OverflowPolicy",
@@ -29,7 +30,6 @@ __all__ = ["ON_OVERFLOW", "Fp32Fallback", "OverflowPersistsError", "OverflowPoli
 
 logger = logging.getLogger("ampx")
 
-ON_OVERFLOW = ("skip", "raise", "fp32-fallback")
 _HALF = (torch.float16, torch.bfloat16)
 
 

@@ -21,16 +21,16 @@ import torch
 from torch import nn
 
 from .forward_check import ForwardDetector
+from .option_values import DETECT_OVERFLOW
 from .overflow import OverflowReport, ParamNames
 from .overflow_policy import Fp32Fallback, OverflowPolicy, find_module, fp32_params_o2
 from .provenance import GradFlags
 
-__all__ = ["DETECT_OVERFLOW", "STATE_KEY", "OverflowWatch", "check_options", "last_overflow",
-           "parse_detect_overflow", "with_report"]
+__all__ = ["STATE_KEY", "OverflowWatch", "last_overflow", "parse_detect_overflow",
+           "with_report"]
 
 logger = logging.getLogger("ampx")
 
-DETECT_OVERFLOW = (None, "forward")
 STATE_KEY = "overflow_policy"  # in ampx.state_dict(), only when on_overflow is not "skip"
 
 Pass = tuple[int, Sequence[torch.Tensor], torch.Tensor]  # (loss_id, holders, flags)
@@ -45,23 +45,11 @@ def parse_detect_overflow(value: Any) -> str | None:
     """
     if value is None or value is False or value == "none":
         return None
-    if value == "forward":
-        return "forward"
+    if value in DETECT_OVERFLOW:
+        return str(value)
     raise ValueError(f"ampx.initialize: detect_overflow={value!r} is not one of None, "
                      "'forward' (forward hooks that find the first module whose output "
                      "became inf/NaN).")
-
-
-def check_options(on_overflow: Any = "skip", overflow_patience: Any = 8,
-                  detect_overflow: Any = None) -> dict[str, Any]:
-    """Validate the three provenance options of ``initialize``; returns them normalised.
-
-    Raises:
-        ValueError: Naming the option and its valid values.
-    """
-    OverflowPolicy(on_overflow, overflow_patience)
-    return {"on_overflow": on_overflow, "patience": overflow_patience,
-            "detect_overflow": parse_detect_overflow(detect_overflow)}
 
 
 def last_overflow(optimizer: Any) -> OverflowReport | None:
@@ -141,15 +129,15 @@ class OverflowWatch:
         self._skipped: OverflowReport | None = None
 
     @classmethod
-    def attach(cls, models: Sequence[nn.Module], optimizers: Sequence[Any],
-               options: Mapping[str, Any], casts_patched: bool) -> OverflowWatch:
+    def attach(cls, models: Sequence[nn.Module], optimizers: Sequence[Any], props: Any
+               ) -> OverflowWatch:
         """The watch of a session that just initialized `models` and `optimizers`.
 
         Args:
             models: The models.
             optimizers: Their optimizers (their ampx states hold the O2 master maps).
-            options: :func:`check_options` output.
-            casts_patched: Whether O1 patches are active for the session.
+            props: The session's ``ampx.Properties`` (``on_overflow``, ``overflow_patience``,
+                ``detect_overflow``, ``patch_torch_functions``).
         """
         from .optimizer import amp_state_of
 
@@ -164,9 +152,9 @@ class OverflowWatch:
             for state in states:
                 state.release_masters(done)
 
-        return cls(models, list(pairs.values()), on_overflow=options["on_overflow"],
-                   patience=options["patience"], detect_overflow=options["detect_overflow"],
-                   casts_patched=casts_patched, release_masters=release)
+        return cls(models, list(pairs.values()), on_overflow=props.on_overflow,
+                   patience=props.overflow_patience, detect_overflow=props.detect_overflow,
+                   casts_patched=bool(props.patch_torch_functions), release_masters=release)
 
     # -- per step ---------------------------------------------------------------------------
     def on_skip(self, optimizer: Any, passes: Iterable[Pass], *, step: int,

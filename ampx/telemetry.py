@@ -45,12 +45,14 @@ class Telemetry:
         self._file.close()
 
     def step(self, *, optimizer: int, step_time_s: float, loss: float | None, loss_scale: float,
-             skipped: bool, device: torch.device | None) -> None:
-        """Write one `step` record."""
+             skipped: bool, device: torch.device | None,
+             overflow: dict[str, Any] | None = None) -> None:
+        """Write one `step` record (with `overflow`, the OverflowReport of a skipped step)."""
         self._steps += 1
+        extra = {"overflow": overflow} if overflow is not None else {}
         self.emit("step", step=self._steps, optimizer=optimizer, step_time_s=step_time_s,
                   loss=loss, loss_scale=loss_scale, skipped=skipped,
-                  peak_mem_bytes=peak_memory_bytes(device))
+                  peak_mem_bytes=peak_memory_bytes(device), **extra)
 
 
 def peak_memory_bytes(device: torch.device | None) -> int:
