@@ -139,6 +139,8 @@ class Row:
         speedup: O0's median step time divided by this row's.
         mem_ratio: This row's peak memory divided by O0's.
         loss_delta: (final_loss - O0's) / |O0's|.
+        culprits: (module, skipped steps it caused), most first (top 3; from the overflow
+            provenance of skipped steps, docs/debugging-overflows.md).
         series: Per-step "loss", "loss_scale", "step_time_s" and "skipped" lists.
         init: The run's telemetry `init` record (properties, requested and forced options).
         command: The command line that ran.
@@ -162,6 +164,7 @@ class Row:
     speedup: Optional[float] = None
     mem_ratio: Optional[float] = None
     loss_delta: Optional[float] = None
+    culprits: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     series: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
     init: Optional[dict[str, Any]] = None
     command: list[str] = dataclasses.field(default_factory=list)
@@ -292,6 +295,9 @@ def summarize(row: Row, init: Optional[dict[str, Any]], steps: list[dict[str, An
         bad = [v for v in tail if not math.isfinite(v)]
         row.final_loss = bad[-1] if bad else math.fsum(tail) / len(tail)
     row.skipped = sum(row.series["skipped"])
+    from .overflow import tally_culprits  # imports torch: only once there is telemetry
+
+    row.culprits = tally_culprits(r.get("overflow") for r in steps)
     scale = steps[-1].get("loss_scale")
     row.final_scale = float(scale) if isinstance(scale, (int, float)) else None
     return row
@@ -504,6 +510,10 @@ def format_table(rows: Sequence[Row]) -> str:
     for row in rows:
         if row.error:
             lines.append(f"{row.label}: {row.status}: {row.error}")
+    for row in rows:
+        if row.culprits:
+            lines.append(f"{row.label}: skipped steps came from " + ", ".join(
+                f"{module} ({count})" for module, count in row.culprits))
     noisy = [r for r in rows if r.ok and (r.step_time_spread or 1.0) > NOISY_SPREAD]
     for row in noisy:
         lines.append(f"{row.label}: note: step times varied {row.step_time_spread:.1f}x within "
