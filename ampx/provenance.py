@@ -43,7 +43,9 @@ def classify_nonfinite(tensors: Sequence[torch.Tensor | None]) -> list[tuple[boo
     >>> classify_nonfinite([torch.tensor([1.0, float("inf")]), torch.tensor([float("nan")])])
     [(True, False), (False, True)]
     """
-    present = [(i, t) for i, t in enumerate(tensors) if t is not None]
+    # A DTensor gradient (FSDP2) is classified through this rank's shard.
+    present = [(i, t.to_local() if hasattr(t, "to_local") else t)
+               for i, t in enumerate(tensors) if t is not None]
     out = [(False, False)] * len(tensors)
     by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, t in present:

@@ -55,6 +55,31 @@ def _case(rank: int, level: str, where: str) -> dict[str, Any]:
             "params": list(report.params), "where": report.where()}
 
 
+def _fsdp2_case(rank: int) -> dict[str, Any]:
+    """O1 over FSDP2's sharded parameters: an inf in rank 1's shard of 0.weight."""
+    import ampx
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError as exc:  # pragma: no cover - older torch
+        return {"unsupported": repr(exc)}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    fully_shard(model)
+    amp = ampx.Amp(opt_level="O1", init_scale=2.0**8, verbosity=0)
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+    with amp.scale_loss((model(x).float() - y).pow(2).mean(), opt) as scaled:
+        scaled.backward()
+        if rank == 1:
+            model[0].weight.grad.to_local().view(-1)[0] = math.inf
+    opt.step()
+    report = ampx.last_overflow(opt)
+    assert report is not None
+    return {"skipped": amp.step_was_skipped(opt), "report": report.as_dict()}
+
+
 def _worker(rank: int, store: str, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -63,6 +88,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
                             world_size=WORLD, timeout=timedelta(seconds=90))
     results = {f"{level}-{where}": _case(rank, level, where)
                for level in ("O1", "O2") for where in ("after", "before")}
+    results["fsdp2"] = _fsdp2_case(rank)
     gathered: list[Any] = [None] * WORLD
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -122,6 +148,17 @@ def test_inf_before_the_all_reduce_reaches_every_rank(results: list, level: str)
     assert set(table) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert all(ranks == [0, 1] for ranks in table.values())
     assert rank0["params"][0] == "2.bias"  # closest to the loss first
+
+
+@pytest.mark.slow
+def test_fsdp2_shards_are_classified_and_attributed(results: list) -> None:
+    rank0, rank1 = (r["fsdp2"] for r in results)
+    if "unsupported" in rank0:
+        pytest.skip(rank0["unsupported"])
+    assert rank0["skipped"] and rank1["skipped"]
+    assert rank0["report"]["param_ranks"] == rank1["report"]["param_ranks"] == \
+        {"0.weight": [1]}
+    assert rank1["report"]["inf_params"] == ["0.weight"] and rank0["report"]["inf_params"] == []
 
 
 if __name__ == "__main__":
