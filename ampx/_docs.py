@@ -40,6 +40,9 @@ _OVERRIDE_RULES: tuple[tuple[str, str], ...] = (
     ("growth_interval / hysteresis", "not an int in [1, 2**31)"),
     ("skip_non_finite / allow_banned", "not a bool"),
     ("device_types", "not a device type ('cuda', 'cpu', ...) or a list of them"),
+    ("on_overflow", "not 'skip', 'raise' or 'fp32-fallback'"),
+    ("overflow_patience", "not an int in [1, 2**31)"),
+    ("detect_overflow", "not None (or False/'none') or 'forward'"),
 )
 
 

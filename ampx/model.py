@@ -85,14 +85,9 @@ class MasterMap:
         entry = self._by_id.get(id(model_param))
         return entry[1] if entry is not None and entry[0] is model_param else None
 
-    def remove(self, model_param: nn.Parameter) -> None:
-        """Forget the master of `model_param` (initialize's undo)."""
+    def discard(self, model_param: nn.Parameter) -> None:
+        """Forget the master of `model_param` (initialize's undo, the fp32 fallback)."""
         self._by_id.pop(id(model_param), None)
-
-    def discard(self, model_param: torch.Tensor) -> None:
-        """Forget `model_param`'s master (O2 fp32-fallback: its module now uses the master)."""
-        if self.master_of(model_param) is not None:
-            del self._by_id[id(model_param)]
 
     def pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """Every (model_param, master) pair."""
@@ -333,7 +328,7 @@ def _split(module: nn.Module, name: str, param: nn.Parameter, dtype: torch.dtype
         param.data = param.data.float()
         param.grad = None if grad is None else grad.float()
     record.masters.add(half, param)
-    record.undo_log.append(functools.partial(record.masters.remove, half))
+    record.undo_log.append(functools.partial(record.masters.discard, half))
     record.undo_log.append(functools.partial(setattr, module, name, param))
     setattr(module, name, half)
     return half

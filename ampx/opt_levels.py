@@ -20,18 +20,20 @@ import torch
 
 from .option_values import (
     HALF_DTYPES,
+    ON_OVERFLOW_CHOICES,
     LossScale,
     OptionError,
     OptLevel,
     UnknownOptionError,
     parse_bool,
+    parse_choice,
     parse_count,
+    parse_detect_overflow,
     parse_device_types,
     parse_dtype,
     parse_flag,
     parse_loss_scale,
     parse_opt_level,
-    parse_overflow_options,
     parse_positive,
 )
 
@@ -83,11 +85,10 @@ class Properties:
             dynamic scale, and with bf16 at O1-O3; never when disabled.
         allow_banned: Run banned functions (binary_cross_entropy) in float32 instead of raising.
         device_types: Device types whose tensors O1 casts (None: the models' devices).
-        on_overflow: When overflows persist: "skip", "raise" or "fp32-fallback"
-            (docs/debugging-overflows.md).
-        overflow_patience: Consecutive skips before "raise"; skips of one module before
-            "fp32-fallback" runs it in float32.
-        detect_overflow: "forward": find the first module whose output became inf/NaN.
+        on_overflow: What persisting overflows do: "skip" (apex's), "raise" or
+            "fp32-fallback" (see docs/debugging-overflows.md).
+        overflow_patience: Skipped steps before "raise" / "fp32-fallback" act.
+        detect_overflow: None, or "forward" (find the first module whose output is inf/NaN).
     """
 
     opt_level: OptLevel = OptLevel.O1
@@ -367,8 +368,9 @@ def resolve_properties(opt_level: Any = DEFAULTS.opt_level.value, **overrides: A
                                     given.get("skip_non_finite")),
         allow_banned=parse_flag("allow_banned", options["allow_banned"]),
         device_types=parse_device_types(given.get("device_types")),
-        **parse_overflow_options(options["on_overflow"], options["overflow_patience"],
-                                 given.get("detect_overflow")),
+        on_overflow=parse_choice("on_overflow", options["on_overflow"], ON_OVERFLOW_CHOICES),
+        overflow_patience=parse_count("overflow_patience", options["overflow_patience"]),
+        detect_overflow=parse_detect_overflow(given.get("detect_overflow")),
     )
 
 

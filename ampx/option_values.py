@@ -13,22 +13,23 @@ from typing import Any, Union
 import torch
 
 __all__ = [
-    "DETECT_OVERFLOW",
+    "DETECT_OVERFLOW_CHOICES",
     "DTYPE_CHOICES",
+    "ON_OVERFLOW_CHOICES",
     "LETTER_O_HINT",
-    "ON_OVERFLOW",
     "OPT_LEVELS",
     "LossScale",
     "OptLevel",
     "OptionError",
     "UnknownOptionError",
     "parse_bool",
+    "parse_choice",
+    "parse_detect_overflow",
     "parse_device_types",
     "parse_dtype",
     "parse_flag",
     "parse_loss_scale",
     "parse_opt_level",
-    "parse_overflow_options",
 ]
 
 
@@ -66,6 +67,8 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "torch.bfloat16": torch.bfloat16,
 }
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+ON_OVERFLOW_CHOICES: tuple[str, ...] = ("skip", "raise", "fp32-fallback")
+DETECT_OVERFLOW_CHOICES: tuple[str, ...] = ("forward",)  # or None: off
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the scalers keep float32 state
 INT32_MAX = 2**31 - 1  # and int32 counters
 
@@ -176,25 +179,16 @@ def parse_device_types(value: Any) -> frozenset[str] | None:
     return frozenset(names)
 
 
-ON_OVERFLOW: tuple[str, ...] = ("skip", "raise", "fp32-fallback")  # docs/debugging-overflows.md
-DETECT_OVERFLOW: tuple[str, ...] = ("forward",)
+def parse_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """One of `choices` (the strings), or an `OptionError` naming the option and the choices."""
+    if isinstance(value, str) and value in choices:
+        return value
+    raise OptionError(f"ampx.initialize: {name}={value!r} is not one of "
+                      f"{', '.join(repr(c) for c in choices)}.")
 
 
-def parse_overflow_options(on_overflow: Any, patience: Any, detect: Any) -> dict[str, Any]:
-    """Check `on_overflow`, `overflow_patience` and `detect_overflow` (False/"none": off).
-
-    >>> parse_overflow_options("raise", 3, "none")
-    {'on_overflow': 'raise', 'overflow_patience': 3, 'detect_overflow': None}
-    """
-    if on_overflow not in ON_OVERFLOW:
-        raise OptionError(f"ampx.initialize: on_overflow={on_overflow!r} is not one of "
-                          f"{', '.join(repr(m) for m in ON_OVERFLOW)}.")
-    if detect is False or detect == "none":
-        detect = None
-    if detect is not None and detect not in DETECT_OVERFLOW:
-        raise OptionError(f"ampx.initialize: detect_overflow={detect!r} is not one of None, "
-                          "'forward' (forward hooks that find the first module whose output "
-                          "became inf/NaN).")
-    return {"on_overflow": on_overflow,
-            "overflow_patience": parse_count("overflow_patience", patience),
-            "detect_overflow": detect}
+def parse_detect_overflow(value: Any) -> str | None:
+    """None/False/"none" (off) or "forward" (hooks that find the first inf/NaN output)."""
+    if value is None or value is False or value == "none":
+        return None
+    return parse_choice("detect_overflow", value, DETECT_OVERFLOW_CHOICES)

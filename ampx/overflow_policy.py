@@ -22,7 +22,7 @@ from torch import nn
 
 from . import patch
 from .casting import cast_tree
-from .option_values import ON_OVERFLOW
+from .option_values import ON_OVERFLOW_CHOICES as ON_OVERFLOW
 from .overflow import ROOT_MODULE, OverflowReport
 
 __all__ = ["ON_OVERFLOW", "Fp32Fallback", "OverflowPersistsError", "OverflowPolicy",

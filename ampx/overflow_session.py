@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .forward_check import ForwardDetector
-from .option_values import DETECT_OVERFLOW
+from .option_values import DETECT_OVERFLOW_CHOICES
 from .overflow import OverflowReport, ParamNames
 from .overflow_policy import Fp32Fallback, OverflowPolicy, find_module, fp32_params_o2
 from .provenance import GradFlags
@@ -45,7 +45,7 @@ def parse_detect_overflow(value: Any) -> str | None:
     """
     if value is None or value is False or value == "none":
         return None
-    if value in DETECT_OVERFLOW:
+    if value in DETECT_OVERFLOW_CHOICES:
         return str(value)
     raise ValueError(f"ampx.initialize: detect_overflow={value!r} is not one of None, "
                      "'forward' (forward hooks that find the first module whose output "

@@ -66,10 +66,99 @@ def test_uninstall_removes_everything(alias: None) -> None:
 
 
 def test_other_apex_packages_name_their_replacement(alias: None) -> None:
-    with pytest.raises(ModuleNotFoundError, match="DistributedDataParallel"):
-        importlib.import_module("apex.parallel")
-    with pytest.raises(ModuleNotFoundError, match="fused=True"):
-        from apex.optimizers import FusedAdam  # noqa: F401
+    with pytest.raises(ModuleNotFoundError, match="Megatron-Core"):
+        importlib.import_module("apex.transformer")
+    with pytest.raises(ModuleNotFoundError, match="torch or torchao"):
+        importlib.import_module("apex.contrib.optimizers")
+    with pytest.raises(ModuleNotFoundError, match="torchrun"):
+        importlib.import_module("apex.parallel.multiproc")
+    with pytest.raises(ImportError, match=r"torch\.optim\.Adagrad"):
+        from apex.optimizers import FusedAdagrad  # noqa: F401
+    with pytest.raises(ImportError, match="torch.distributed.all_reduce"):
+        from apex.parallel import Reducer  # noqa: F401
+    with pytest.raises(ImportError, match="weight_norm"):
+        from apex.fp16_utils import Fused_Weight_Norm  # noqa: F401
+    with pytest.raises(ImportError, match="InstanceNorm3d"):
+        from apex.normalization import InstanceNorm3dNVFuser  # noqa: F401
+
+
+def test_companions_resolve_to_ampx_implementations(alias: None) -> None:
+    import apex.fp16_utils.loss_scaler as loss_scaler
+    import apex.parallel.LARC
+    from apex.fp16_utils import FP16_Optimizer
+    from apex.normalization import FusedLayerNorm
+    from apex.normalization.fused_layer_norm import MixedFusedLayerNorm
+    from apex.optimizers import FusedAdam
+    from apex.optimizers.fused_lamb import FusedLAMB
+    from apex.parallel import DistributedDataParallel, convert_syncbn_model
+    from apex.parallel.LARC import LARC
+
+    from ampx.compat.apex import fp16_utils, larc, normalization, optimizers, parallel
+
+    assert FusedAdam is optimizers.FusedAdam and FusedLAMB is optimizers.FusedLAMB
+    assert FusedLayerNorm is normalization.FusedLayerNorm
+    assert MixedFusedLayerNorm is normalization.MixedFusedLayerNorm
+    assert FP16_Optimizer is fp16_utils.FP16_Optimizer
+    assert loss_scaler.DynamicLossScaler is fp16_utils.DynamicLossScaler
+    assert DistributedDataParallel is parallel.DistributedDataParallel
+    assert convert_syncbn_model is parallel.convert_syncbn_model
+    assert LARC is larc.LARC is apex.parallel.LARC.LARC
+    # The ampx modules keep their own names and attributes.
+    assert parallel.__name__ == "ampx.compat.apex.parallel" and parallel.LARC is LARC
+    assert sys.modules["apex.parallel"].__name__ == "apex.parallel"
+    apex_alias.uninstall()
+    _drop_apex_modules()
+    apex_alias.install()
+    import apex as bare  # apex's __init__ imported its companions: attribute access works
+
+    assert bare.optimizers.FusedAdam is FusedAdam and bare.fp16_utils.FP16_Optimizer is \
+        FP16_Optimizer
+    with pytest.raises(AttributeError):
+        bare.contrib  # noqa: B018
+
+
+def test_apex_imagenet_example_import_block(alias: None) -> None:
+    """examples/imagenet/main_amp.py's try block, verbatim (it raises ImportError otherwise)."""
+    namespace: dict = {}
+    exec(textwrap.dedent("""
+        from apex.parallel import DistributedDataParallel as DDP
+        from apex.fp16_utils import *
+        from apex import amp, optimizers
+        from apex.multi_tensor_apply import multi_tensor_applier
+    """), namespace)
+    assert namespace["amp"] is ampx.amp and namespace["to_python_float"](torch.tensor(1.5)) == 1.5
+    assert namespace["optimizers"].FusedAdam.__module__ == "ampx.compat.apex.optimizers"
+    applier = namespace["multi_tensor_applier"]
+    assert applier.available is False  # as in an apex built without its CUDA extension
+    with pytest.raises(RuntimeError, match="torch._foreach_"):
+        applier(None, torch.zeros(1, dtype=torch.int), [[torch.zeros(2)]])
+
+
+def test_uninstall_removes_companions(alias: None) -> None:
+    import apex.optimizers.fused_adam  # noqa: F401
+    import apex.parallel  # noqa: F401
+
+    apex_alias.uninstall()
+    apex_alias.uninstall()  # idempotent
+    assert not [n for n in sys.modules if n == "apex" or n.startswith("apex.")]
+    assert "ampx.compat.apex.optimizers" in sys.modules
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("apex.optimizers")
+    assert apex_alias.install() is True  # and back
+    from apex.optimizers import FusedSGD
+
+    assert FusedSGD.__module__ == "ampx.compat.apex.optimizers"
+
+
+def test_install_imports_nothing() -> None:
+    """install()/uninstall() add no module (a sitecustomize may call them in every child)."""
+    code = ("import sys; from ampx.compat import apex_alias; before = set(sys.modules); "
+            "apex_alias.install(); apex_alias.install(); apex_alias.uninstall(); "
+            "apex_alias.install(); print(sorted(set(sys.modules) - before))")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_install_twice_is_harmless(alias: None) -> None:

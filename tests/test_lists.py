@@ -68,6 +68,7 @@ RECIPES: dict[Any, Recipe] = {
     "softmin": lambda f, t: f(t(2, 3), -1),
     "softmax": lambda f, t: f(t(2, 3), -1),
     "log_softmax": lambda f, t: f(t(2, 3), -1),
+    "cpu": lambda f, t: f(t(2, 3)),
     "gelu": lambda f, t: f(t(2, 3)),
     "layer_norm": lambda f, t: f(t(2, 4), [4]),
     "group_norm": lambda f, t: f(t(2, 4, 3), 2),

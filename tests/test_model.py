@@ -188,3 +188,15 @@ def test_load_state_dict_assign_keeps_the_cast_model_working(level: str,
         runs.append(model.state_dict())
     for key in runs[0]:
         assert torch.equal(runs[0][key], runs[1][key]), key
+
+
+def test_master_map_discard() -> None:
+    from ampx.model import MasterMap
+
+    half, master = nn.Parameter(torch.zeros(2).half()), nn.Parameter(torch.zeros(2))
+    masters = MasterMap()
+    masters.add(half, master)
+    assert masters.master_of(half) is master and len(masters) == 1
+    masters.discard(half)
+    masters.discard(half)  # a second discard is harmless
+    assert masters.master_of(half) is None and len(masters) == 0

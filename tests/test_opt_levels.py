@@ -152,6 +152,10 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     (dict(opt_level="O1", allow_banned="yes"), "allow_banned='yes' must be True or False"),
     (dict(opt_level="O2", master_weights="maybe"), "master_weights='maybe' is not valid"),
     (dict(opt_level="O2", cast_model_outputs=torch.int64), "cast_model_outputs=torch.int64"),
+    # the overflow-provenance options
+    (dict(opt_level="O2", on_overflow="stop"), "on_overflow='stop' is not one of 'skip', "),
+    (dict(opt_level="O2", overflow_patience=0), "overflow_patience=0 must be an int >= 1"),
+    (dict(opt_level="O2", detect_overflow="backward"), "detect_overflow='backward' is not one"),
 ]
 
 
@@ -294,3 +298,17 @@ def test_check_forced(forced: dict[str, Any], error: str | None) -> None:
     else:
         with pytest.raises(OptionError, match=error):
             opt_levels.check_forced(forced)
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    ({}, ("skip", 8, None)),
+    (dict(on_overflow="raise", overflow_patience=3), ("raise", 3, None)),
+    (dict(on_overflow="fp32-fallback", detect_overflow="forward"), ("fp32-fallback", 8, "forward")),
+    (dict(detect_overflow=False), ("skip", 8, None)),
+    (dict(detect_overflow="none"), ("skip", 8, None)),
+])
+def test_overflow_options(kwargs: dict[str, Any], expected: tuple) -> None:
+    props = resolve_properties("O2", **kwargs)
+    assert (props.on_overflow, props.overflow_patience, props.detect_overflow) == expected
+    opt_levels.set_forced_options({"detect_overflow": "forward"})  # `ampx run` can force it
+    assert ampx.Amp("O2", verbosity=0, **kwargs).properties.detect_overflow == "forward"

@@ -8,8 +8,15 @@ importable, unless `force=True`: a real install is never shadowed by accident. N
 written to disk and no other process is affected; `uninstall()` removes the finder and the
 modules it created.
 
-Other apex packages (`apex.parallel`, `apex.optimizers`, ...) are not provided; importing one
-raises `ModuleNotFoundError` with the torch replacement to use.
+The companion packages legacy scripts import in the same ``try:`` block resolve to ampx's own
+implementations (`ampx.compat.apex`): ``apex.parallel``, ``apex.optimizers``,
+``apex.normalization`` and ``apex.fp16_utils`` (and ``apex.multi_tensor_apply``, as apex had it
+without its CUDA extension), plus the submodule paths scripts use
+(``apex.parallel.LARC``, ``apex.normalization.fused_layer_norm``, ``apex.optimizers.fused_adam``,
+``apex.fp16_utils.fp16_optimizer``, ...). They are imported on first use, so `install()` itself
+imports nothing but the standard library (it is cheap enough for a ``sitecustomize``), and it is
+idempotent, as is `uninstall()`. Other apex packages (`apex.contrib`, `apex.transformer`, ...)
+are not provided; importing one raises `ModuleNotFoundError` with the torch replacement to use.
 
 Example::
 
@@ -37,15 +44,50 @@ logger = logging.getLogger("ampx")
 # Modules the alias provides (built by `_ApexAliasLoader.exec_module`).
 _PROVIDED = ("apex", "apex.amp", "apex.amp._amp_state")
 
+# apex companion packages: alias name -> ampx module, and the submodule paths each one brings.
+_COMPANIONS = {
+    "apex.parallel": "ampx.compat.apex.parallel",
+    "apex.optimizers": "ampx.compat.apex.optimizers",
+    "apex.normalization": "ampx.compat.apex.normalization",
+    "apex.fp16_utils": "ampx.compat.apex.fp16_utils",
+    "apex.multi_tensor_apply": "ampx.compat.apex.multi_tensor_apply",
+}
+_SUBMODULES = {
+    "apex.parallel": {
+        "apex.parallel.LARC": "ampx.compat.apex.larc",
+        "apex.parallel.distributed": "ampx.compat.apex.parallel",
+        "apex.parallel.sync_batchnorm": "ampx.compat.apex.parallel",
+        "apex.parallel.optimized_sync_batchnorm": "ampx.compat.apex.parallel",
+    },
+    "apex.optimizers": {
+        f"apex.optimizers.{name}": "ampx.compat.apex.optimizers"
+        for name in ("fused_adam", "fused_sgd", "fused_lamb", "fused_novograd")
+    },
+    "apex.normalization": {
+        "apex.normalization.fused_layer_norm": "ampx.compat.apex.normalization",
+    },
+    "apex.fp16_utils": {
+        f"apex.fp16_utils.{name}": "ampx.compat.apex.fp16_utils"
+        for name in ("fp16_optimizer", "fp16util", "loss_scaler")
+    },
+    "apex.multi_tensor_apply": {
+        "apex.multi_tensor_apply.multi_tensor_apply": "ampx.compat.apex.multi_tensor_apply",
+    },
+}
+
 # What to use instead of the apex packages ampx does not provide.
 _REPLACEMENTS = {
-    "apex.parallel": "torch.nn.parallel.DistributedDataParallel (and torch.nn.SyncBatchNorm)",
-    "apex.optimizers": "torch.optim with fused=True (e.g. torch.optim.AdamW(..., fused=True))",
-    "apex.normalization": "torch.nn.LayerNorm / torch.nn.RMSNorm",
-    "apex.fp16_utils": "ampx.initialize(..., opt_level='O2') (FP16_Optimizer's job)",
+    "apex.parallel.multiproc": "torchrun (python -m torch.distributed.run)",
+    "apex.optimizers.fused_adagrad": "torch.optim.Adagrad(..., foreach=True)",
+    "apex.optimizers.fused_mixed_precision_lamb": "apex.optimizers.FusedLAMB at ampx O2",
+    "apex.normalization.instance_norm": "torch.nn.InstanceNorm3d",
+    "apex.fp16_utils.fused_weight_norm": "torch.nn.utils.parametrizations.weight_norm",
     "apex.contrib": "the matching torch or torchao feature",
     "apex.transformer": "Megatron-Core or torch.distributed.tensor",
-    "apex.multi_tensor_apply": "torch._foreach_* functions",
+    "apex.mlp": "torch.nn.Sequential of torch.nn.Linear layers",
+    "apex.fused_dense": "torch.nn.Linear (torch.compile fuses the bias and activation)",
+    "apex.RNN": "torch.nn.LSTM / torch.nn.GRU",
+    "apex.reparameterization": "torch.nn.utils.parametrizations.weight_norm",
 }
 
 
@@ -61,6 +103,7 @@ class _ApexAliasLoader(importlib.abc.Loader):
         module.__doc__ = "apex alias provided by ampx (`ampx run`): `apex.amp` is `ampx.amp`."
         module.__dict__["__ampx_alias__"] = True
         module.__dict__["amp"] = amp
+        module.__dict__["__getattr__"] = _package_getattr
         state_module = types.ModuleType(
             "apex.amp._amp_state", "apex.amp._amp_state, provided by ampx's apex alias."
         )
@@ -69,9 +112,58 @@ class _ApexAliasLoader(importlib.abc.Loader):
         state_module.__dict__["master_params"] = amp.master_params
         # The import system looks in sys.modules again after importing a parent package, so
         # `import apex.amp` and `import apex.amp._amp_state` find these entries.
-        sys.modules["apex.amp"] = amp
-        sys.modules["apex.amp._amp_state"] = state_module
-        _CREATED.update({"apex.amp", "apex.amp._amp_state"})
+        _CREATED["apex"] = module
+        _register("apex.amp", amp)
+        _register("apex.amp._amp_state", state_module)
+
+
+class _CompanionLoader(importlib.abc.Loader):
+    """Builds `apex.parallel` & co. over the ampx modules (and their submodule paths)."""
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return None  # a placeholder; exec_module puts the alias module in its place
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        name = module.__name__
+        package = _alias_module(name, importlib.import_module(_COMPANIONS[name]))
+        # Registered now, so `import apex.parallel.LARC` and `import apex.fp16_utils.loss_scaler
+        # as ls` find them (the import system reads the parent's attribute, then sys.modules).
+        for alias, target in _SUBMODULES[name].items():
+            sub = _alias_module(alias, importlib.import_module(target))
+            _register(alias, sub)
+            package.__dict__.setdefault(alias.rsplit(".", 1)[1], sub)
+        _register(name, package)
+
+
+def _package_getattr(name: str) -> types.ModuleType:
+    """`apex.<companion>` after a bare ``import apex`` (apex's __init__ imported them all)."""
+    if f"apex.{name}" in _COMPANIONS:
+        return importlib.import_module(f"apex.{name}")
+    raise AttributeError(f"module 'apex' has no attribute {name!r}")
+
+
+def _alias_module(alias: str, target: types.ModuleType) -> types.ModuleType:
+    """A module named `alias` holding `target`'s public names (the same objects).
+
+    A separate module object, so that the ampx module keeps its own name and attributes while
+    `apex.x.y` lookups (which go by the module's `__name__`) work; `target`'s `__getattr__`
+    comes along, so apex names ampx lacks raise ImportError naming their replacement.
+    """
+    module = types.ModuleType(alias, target.__doc__)
+    names = list(getattr(target, "__all__", ()))
+    module.__dict__.update({n: getattr(target, n) for n in names})
+    if "__getattr__" in vars(target):
+        module.__dict__["__getattr__"] = vars(target)["__getattr__"]
+    module.__dict__.update(__all__=names, __ampx_alias__=True, __ampx_module__=target.__name__,
+                           __path__=[])  # a package: unknown submodules reach the finder
+    return module
+
+
+def _register(alias: str, module: types.ModuleType) -> None:
+    # The import system reads sys.modules again after exec_module, so the alias name
+    # resolves to this object.
+    sys.modules[alias] = module
+    _CREATED[alias] = module
 
 
 class _ApexAliasFinder(importlib.abc.MetaPathFinder):
@@ -84,26 +176,34 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
         target: types.ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname == "apex":
-            spec = importlib.machinery.ModuleSpec("apex", _LOADER, is_package=True)
-            _CREATED.add("apex")
-            return spec
+            return importlib.machinery.ModuleSpec("apex", _LOADER, is_package=True)
         if not fullname.startswith("apex.") or fullname in _PROVIDED:
             return None
         parent = sys.modules.get("apex")
         if parent is None or not getattr(parent, "__ampx_alias__", False):
             return None  # a real apex (forced aliasing was not asked for): not our business
-        top = ".".join(fullname.split(".")[:2])
-        instead = _REPLACEMENTS.get(top, "its torch equivalent")
-        raise ModuleNotFoundError(
-            f"No module named {fullname!r}: `ampx run` provides only apex.amp (through ampx), "
-            f"not {top}; use {instead}.",
-            name=fullname,
-        )
+        if fullname in _COMPANIONS:
+            return importlib.machinery.ModuleSpec(fullname, _COMPANION_LOADER, is_package=True)
+        raise ModuleNotFoundError(_missing_message(fullname), name=fullname)
+
+
+def _missing_message(fullname: str) -> str:
+    parts = fullname.split(".")
+    top = ".".join(parts[:2])
+    instead = _REPLACEMENTS.get(".".join(parts[:3]), _REPLACEMENTS.get(top))
+    if top in _COMPANIONS:
+        return (f"No module named {fullname!r}: ampx's {top} (ampx.compat.apex) does not "
+                f"provide it; use {instead or 'the names in ' + top}.")
+    return (f"No module named {fullname!r}: `ampx run` provides apex.amp, "
+            f"{', '.join(_COMPANIONS)} (through ampx), not {top}; "
+            f"use {instead or 'its torch equivalent'}.")
 
 
 _LOADER = _ApexAliasLoader()
+_COMPANION_LOADER = _CompanionLoader()
 _FINDER = _ApexAliasFinder()
-_CREATED: set[str] = set()
+# Every sys.modules entry the alias made, with the module object it put there.
+_CREATED: dict[str, types.ModuleType] = {}
 
 
 def real_apex_spec() -> importlib.machinery.ModuleSpec | None:
@@ -166,12 +266,14 @@ def install(*, force: bool = False) -> bool:
 
 
 def uninstall() -> None:
-    """Remove the finder and every module the alias created (real modules are untouched)."""
+    """Remove the finder and every module entry the alias created (idempotent).
+
+    Real modules are untouched: `ampx.amp` and `ampx.compat.apex.*` stay importable under
+    their own names; only the `apex...` entries that still hold what the alias put there go.
+    """
     while _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
-    ours = sys.modules.get("ampx.amp")
-    for name in sorted(_CREATED):
-        module = sys.modules.get(name)
-        if module is not None and (module is ours or getattr(module, "__ampx_alias__", False)):
+    for name, module in sorted(_CREATED.items()):
+        if sys.modules.get(name) is module:
             del sys.modules[name]
     _CREATED.clear()

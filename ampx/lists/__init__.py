@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import textwrap
 import types
 from typing import Any, NamedTuple
 
@@ -185,10 +186,10 @@ def markdown() -> str:
         "`addbmm` are lowered on every device (apex: CUDA >= 9.1 only),",
         "`scaled_dot_product_attention`, `einsum`, `rms_norm` and newer losses are listed,",
         "Tensor dunders (`@`, `+`, `*`, `**`, comparisons, in-place `+=`...) are covered,",
-        "and vanilla `nn.RNN` is cast again. apex's `Tensor.cpu` entry (a cast to float32",
-        "before a device-to-host copy) is left out: it would change `.cpu()`'s result dtype",
-        "on every device. Names missing from the installed torch are skipped",
-        "(`ampx.lists.missing()`).",
+        "and vanilla `nn.RNN` is cast again. Names missing from the installed torch are",
+        "skipped (`ampx.lists.missing()`).",
+        "",
+        *textwrap.wrap(tensor_methods.CPU_NOTE, 86),
         "",
         "`ampx.register_half_function`, `register_float_function` and",
         "`register_promote_function` (or the `half_function`, `float_function` and",

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 LOWER: tuple[str, ...] = ("__matmul__", "__rmatmul__")
 
-FP32: tuple[str, ...] = ("__pow__", "__rpow__", "softmax", "log_softmax")
+# `cpu` is on apex's FP32 list: a half tensor leaving for the host comes back float32, so
+# legacy lines such as `logits.detach().cpu().numpy()` work with bf16 (numpy has no bfloat16).
+FP32: tuple[str, ...] = ("__pow__", "__rpow__", "softmax", "log_softmax", "cpu")
+
+# The sentence docs/cast-lists.md says about `cpu` (the page is generated from the lists).
+CPU_NOTE: str = (
+    "`Tensor.cpu` is on the float32 list, as in apex: at O1 a float16 or bfloat16 tensor on "
+    "one of the session's device types comes back from `.cpu()` as float32 (a cast, then the "
+    "copy), so `logits.detach().cpu().numpy()` works with bf16, which numpy lacks. Inside "
+    "`ampx.disable_casts()`, and outside O1, `.cpu()` keeps the dtype."
+)
 
 PROMOTE: tuple[str, ...] = (
     "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
