@@ -326,3 +326,25 @@ def test_watch_state_checks_and_detect_values() -> None:
 def test_a_skip_session_keeps_apex_checkpoint_keys() -> None:
     model, opt = init(Net(), "O2")
     assert list(ampx.state_dict()) == ["loss_scaler0"]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_two_losses_in_one_step_are_told_apart(level: str) -> None:
+    class TwoHeads(Net):
+        def forward(self, x: torch.Tensor) -> Any:
+            h = self.embed(x)
+            return self.head(h), self.layers[0](h)
+
+    model, opt = init(TwoHeads(), level, num_losses=2, init_scale=2.0**8)
+    model.layers[0].fc.weight.register_hook(lambda g: g * INF)
+    opt.zero_grad()
+    out0, out1 = model(torch.randn(4, 8))
+    for loss_id, out in ((0, out0), (1, out1)):
+        with ampx.scale_loss(out.float().pow(2).mean(), opt, loss_id=loss_id) as scaled:
+            scaled.backward(retain_graph=loss_id == 0)
+    opt.step()
+    report = ampx.last_overflow(opt)
+    assert report is not None and report.loss_ids == (0, 1)
+    assert report.params_by_loss == {1: ("layers.0.fc.weight",)}
+    assert set(report.scales) == {1} and report.loss_id == 1
+    assert report.scale_after == report.scale_before / 2
