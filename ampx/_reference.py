@@ -4,7 +4,7 @@ Every function here takes Python lists of tensors on one device, accepts any mix
 float32, float16 and bfloat16 (grouped by dtype before each torch call), never
 synchronises with the host (no ``.item()``, no Python branch on a tensor's value), and
 propagates non-finite values instead of skipping them. Arguments are checked with
-the same messages and exception types as the C++ checks in ``csrc/ampx.cpp``.
+the same messages and exception types as the C++ checks in ``ampx/csrc/ampx.cpp``.
 
 Numerics, which the native kernels reproduce bit for bit (NaN payloads aside):
 
@@ -37,7 +37,7 @@ _KERNEL_DTYPES = (_F32, torch.float16, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------
-# Argument checks (same order and text as csrc/ampx.cpp)
+# Argument checks (same order and text as ampx/csrc/ampx.cpp)
 # ---------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ Once ampx sees a multi-rank run it adds `RankZeroFilter` to the "ampx" logger: r
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -95,7 +96,32 @@ def reduce_found_inf_(found_inf: torch.Tensor, group: Any = None) -> None:
         dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group)
         found_inf.copy_(staged)
     else:
+        held = _references(found_inf)
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+        if backend == "gloo":
+            _wait_until_released(found_inf, held)
+
+
+def _wait_until_released(tensor: torch.Tensor, held: int, timeout: float = 5.0) -> None:
+    """Wait (GIL released) until gloo's worker thread has dropped its reference to `tensor`.
+
+    gloo destroys a finished work, and the tensors it holds, on its worker thread after
+    `wait()` has returned. When that thread drops the last reference to ampx's per-step flag
+    it frees the flag's Python object and needs the GIL; if the interpreter is exiting by
+    then (the flag of the last step, on a loaded machine), the thread is killed inside C++
+    and the process aborts (SIGABRT, "terminate called without an active exception") after
+    the script has finished. Returning only once the count is back keeps that last
+    reference in Python. The worker lets go microseconds after `wait()` returns.
+    """
+    deadline = time.monotonic() + timeout
+    while _references(tensor) > held and time.monotonic() < deadline:
+        time.sleep(0.0001)
+
+
+def _references(tensor: torch.Tensor) -> int:
+    """C++ references to `tensor` (``Tensor._use_count``; 0 where torch lacks it)."""
+    count = getattr(tensor, "_use_count", None)
+    return int(count()) if count is not None else 0
 
 
 # -- DTensor (FSDP2) helpers ------------------------------------------------------------------

@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
+from . import _ext, unscale
 from . import masters as _masters
-from . import unscale
 from ._journal import Journal
 from .masters import ParamCache, grad_mark, optimizer_params
 from .model import MasterMap
@@ -410,8 +410,6 @@ class OptimizerAmpState:
 
 def _copy_masters(cache: ParamCache) -> BaseException | None:
     """Copy the masters into the half model params; on failure redo it with plain torch."""
-    from . import _ext
-
     with torch.no_grad():
         try:
             _ext.copy_(cache.masters, cache.models)

@@ -1,13 +1,16 @@
 """LossScaler: dynamic or static loss scaling with device-side state.
 
 The scale, growth tracker and hysteresis tracker live on the gradients' device and are updated
-there by the kernel contract's `update_scale_`, so scaling never waits for the host.
+there by the kernel contract's `update_scale_`, so scaling never waits for the host. Updates
+are transactional: `next_state` computes the new state into fresh tensors and `commit`
+installs it (the scaled-backward protocol commits it together with the gradients).
 
 Host synchronisation, all of it:
 
 - none while scaling, unscaling and updating (`scale_loss_value`, `inv_scale`, `update_`);
-- one `.item()` per optimizer step, in the optimizer's step pre-hook (ampx.optimizer), to
-  decide whether the step is skipped; on clean steps that is the only one;
+- one `.item()` per optimizer step, in the optimizer's step pre-hook (`ampx.optimizer`
+  `decide_step`), to decide whether the step is skipped; on clean steps that is the only one;
+  none for fused torch optimizers, which take the device flag;
 - on skipped steps only, `report_overflow` reads the flag and the old and new scale to log;
 - reading a value as a Python number (`loss_scale()`, the apex-style `_loss_scale` and
   `_unskipped` attributes, `state_dict()`) synchronises once per call.

@@ -234,3 +234,42 @@ def test_resume_in_fresh_process_is_bitwise_equal(tmp_path: Path):
         if level == "O2":
             assert all(v.dtype == torch.float32 for v in a["model"].values()
                        if v.is_floating_point())
+
+
+# -- all or nothing (issue 9 item 9) -------------------------------------------------------------
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"loss_scale": 8.0, "unskipped": 2**40}, "int32"),
+    ({"loss_scale": 1e39, "unskipped": 0}, "float32"),
+    ({"loss_scale": 8.0, "unskipped": 0, "hysteresis_tracker": 2**40}, "int32"),
+    ({"loss_scale": torch.tensor([2.0, 4.0]), "unskipped": 0}, "1-element"),
+])
+def test_values_that_do_not_fit_are_refused_before_anything_applies(bad, needle):
+    make(num_losses=2, hysteresis=2)
+    before = ampx.state_dict()
+    good = {"loss_scale": 4.0, "unskipped": 3}
+    with pytest.raises(CheckpointError, match=needle):
+        ampx.load_state_dict({"loss_scaler0": good, "loss_scaler1": bad})
+    assert ampx.state_dict() == before
+
+
+def test_duplicate_indices_are_refused():
+    make(num_losses=1)
+    before = ampx.state_dict()
+    with pytest.raises(CheckpointError, match="loss_scaler00"):
+        ampx.load_state_dict({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 0},
+                              "loss_scaler00": {"loss_scale": 8.0, "unskipped": 0}})
+    assert ampx.state_dict() == before
+
+
+def test_apex_fp16_entry_does_not_rescale_a_static_bf16_scaler():
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ampx.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    before = ampx.state_dict()
+    assert before["loss_scaler0"]["dynamic"] is False
+    with pytest.raises(CheckpointError, match="static"):
+        ampx.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 17}})
+    assert ampx.state_dict() == before
+    ampx.load_state_dict({"loss_scaler0": {"loss_scale": 1.0, "unskipped": 17}})  # same scale
+    assert ampx.state_dict()["loss_scaler0"]["unskipped"] == 17

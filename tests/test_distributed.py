@@ -308,3 +308,26 @@ def test_rank_zero_filter_single_process() -> None:
 
 if __name__ == "__main__":
     _worker(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+
+
+def test_gloo_flag_reduction_returns_only_after_the_worker_released_the_flag(monkeypatch):
+    """gloo's worker thread drops its reference to the flag after wait(); ampx waits for it,
+    so that thread never frees the Python object (a SIGABRT at interpreter exit)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from ampx import distributed as ampx_dist
+
+    parked: list[torch.Tensor] = []
+
+    def fake_all_reduce(t, op=None, group=None):
+        parked.append(t.view(-1))  # a view holds a C++ reference to its base
+        threading.Timer(0.05, parked.clear).start()
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    flag = torch.zeros(1)
+    before = flag._use_count()
+    ampx_dist.reduce_found_inf_(flag)
+    assert flag._use_count() == before and not parked

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
@@ -224,17 +226,174 @@ def test_add_param_group_with_half_params(half_dtype):
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_zero_grad_with_and_without_set_to_none(level, set_to_none):
+def test_zero_grad_with_and_without_set_to_none(level, half_dtype):
     """Each step sees only its own batch's gradient, whichever zero_grad is used."""
-    def run(zero_grad_mode: bool | None) -> list[torch.Tensor]:
+    def run(mode: str) -> list[list[torch.Tensor]]:
         torch.manual_seed(0)
         model = mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt = ampx.Amp(level, verbosity=0, init_scale=2.0**10).initialize(model, opt)
+        model, opt = ampx.Amp(level, dtype=half_dtype, verbosity=0,
+                              init_scale=2.0**10).initialize(model, opt)
+        seen: list[list[torch.Tensor]] = []
+        opt.register_step_pre_hook(
+            lambda o, a, k: seen.append([p.grad.clone() for p in ampx.master_params(o)]))
         for i in range(3):
-            step(model, opt, seed=i, set_to_none=bool(zero_grad_mode))
-        return [p.detach().clone() for p in ampx.master_params(opt)]
+            x, y = batch(i)
+            if mode != "none":
+                opt.zero_grad(set_to_none=mode == "to_none")
+            with ampx.scale_loss(nn.functional.mse_loss(model(x).float(), y), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        return seen
 
-    for a, b in zip(run(set_to_none), run(True)):
-        assert torch.allclose(a, b, rtol=1e-3, atol=1e-5)
+    to_none, to_zero, never = run("to_none"), run("to_zero"), run("none")
+    for a, b in zip(to_none, to_zero):
+        assert all(torch.equal(g, h) for g, h in zip(a, b))
+    assert all(torch.equal(g, h) for g, h in zip(to_none[0], never[0]))  # same first batch
+    # without zero_grad the gradients accumulate: the check above can tell them apart
+    assert not all(torch.equal(g, h) for g, h in zip(to_none[2], never[2]))
+
+
+# -- skipped steps are a no-op for every optimizer (issue 9 item 4) ------------------------------
+
+class NoGradCheckSGD(torch.optim.Optimizer):
+    """Applies weight decay first, never checks `p.grad is None`, counts its calls."""
+
+    def __init__(self, params, lr=0.01, wd=0.1):
+        super().__init__(params, {"lr": lr, "wd": wd})
+        self.calls = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.calls += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.mul_(1 - group["lr"] * group["wd"])  # decoupled weight decay, unconditionally
+                p.add_(p.grad, alpha=-group["lr"])  # crashes on grad=None
+                self.state[p]["n"] = self.state[p].get("n", 0) + 1
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_skipped_step_is_a_noop_for_any_optimizer(level, half_dtype):
+    torch.manual_seed(0)
+    model = mlp()
+    opt = NoGradCheckSGD(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # before initialize
+    model, opt2 = ampx.initialize(model, opt, opt_level=level, dtype=half_dtype, verbosity=0,
+                                  loss_scale="dynamic")
+    assert opt2 is opt and type(opt) is NoGradCheckSGD
+    step(model, opt)
+    sched.step()
+    before = [p.detach().clone() for p in ampx.master_params(opt)]
+    model_before = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    step(model, opt, overflow=True)
+    sched.step()
+    assert ampx.step_was_skipped(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, ampx.master_params(opt)))
+    assert all(torch.equal(a, b) for a, b in zip(model_before, model.parameters()))
+    after = opt.state_dict()
+    assert after["state"] == state["state"] and opt.calls == 1
+    assert sched.last_epoch == 2 and opt.param_groups[0]["lr"] == pytest.approx(0.0025)
+    step(model, opt)  # and the next step is a real one
+    assert not ampx.step_was_skipped(opt) and opt.calls == 2
+
+
+class RaisingSGD(torch.optim.SGD):
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.add_(1.0)  # changes the params, then fails
+        raise RuntimeError("optimizer failed")
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_skipped_step_whose_optimizer_raises_changes_nothing(level, half_dtype):
+    model = mlp()
+    opt = RaisingSGD(model.parameters(), lr=0.1)
+    model, opt = ampx.initialize(model, opt, opt_level=level, dtype=half_dtype, verbosity=0,
+                                 loss_scale="dynamic")
+    x, y = batch()
+    with ampx.scale_loss(nn.functional.mse_loss(model(x).float(), y), opt) as scaled:
+        scaled.backward()
+        next(p for p in model.parameters() if p.grad is not None).grad.fill_(float("nan"))
+    before = [p.detach().clone() for p in ampx.master_params(opt)]
+    grads = [p.grad for p in ampx.master_params(opt)]
+    with pytest.raises(RuntimeError, match="optimizer failed"):
+        opt.step()  # skipped: runs on a stand-in, whose failure reaches nothing
+    assert all(torch.equal(a, b) for a, b in zip(before, ampx.master_params(opt)))
+    assert all(g is p.grad for g, p in zip(grads, ampx.master_params(opt)))
+    assert opt._ampx.stage.value == "UNSCALED" and opt._ampx.steps == 0
+
+
+# -- host syncs per step (issue 10: fused optimizers take the device flag) -----------------------
+
+def _count_syncs(monkeypatch, run):
+    """(all host reads of a tensor's value, those made by ampx's own code) during `run`."""
+    count = [0, 0]
+    for name in ("item", "__bool__", "__float__", "__int__", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(self, *args, _original=original, **kwargs):
+            count[0] += 1
+            count[1] += f"{os.sep}ampx{os.sep}" in sys._getframe(1).f_code.co_filename
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapper)
+    run()
+    monkeypatch.undo()
+    return tuple(count)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
+def test_host_syncs_per_step(level, fused, monkeypatch):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused or None,
+                            foreach=None if fused else False)
+    model, opt = ampx.initialize(model, opt, opt_level=level, dtype=torch.float16, verbosity=0,
+                                 loss_scale="dynamic", init_scale=2.0**8)
+    x, y = batch()
+
+    def one_step():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        with ampx.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+    one_step()  # warm up (optimizer state creation)
+    total, by_ampx = _count_syncs(monkeypatch, lambda: [one_step() for _ in range(3)])
+    if fused:
+        assert total == 0  # none at all: skip and unscale decided inside the fused kernel
+    else:
+        assert by_ampx == 3  # one per step (torch's own single-tensor AdamW reads `step`)
+    step(model, opt, overflow=True)  # the fused kernel skips on the device flag
+    assert ampx.step_was_skipped(opt) and opt._ampx.skipped_steps == 1
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.SGD, torch.optim.Adagrad])
+def test_other_fused_optimizers_skip_without_a_sync(cls, monkeypatch):
+    model = mlp()
+    opt = cls(model.parameters(), lr=1e-2, fused=True)
+    model, opt = ampx.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0,
+                                 loss_scale="dynamic", init_scale=2.0**8)
+    step(model, opt)
+    before = [p.detach().clone() for p in ampx.master_params(opt)]
+    state = copy.deepcopy(opt.state_dict()["state"])
+    x, y = batch()
+
+    def poisoned_step():
+        opt.zero_grad()
+        with ampx.scale_loss(nn.functional.mse_loss(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+            next(p for p in model.parameters() if p.grad is not None).grad.fill_(float("inf"))
+        opt.step()
+
+    total, _ = _count_syncs(monkeypatch, poisoned_step)
+    assert total == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, ampx.master_params(opt)))
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(torch.as_tensor(state[k][n]), torch.as_tensor(after[k][n]))
+               for k in state for n in state[k])
+    assert ampx.step_was_skipped(opt)

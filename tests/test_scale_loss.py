@@ -470,3 +470,84 @@ def test_scale_policy_through_initialize_growth_bounds_hysteresis():
     # then backs off at once, down to the floor
     assert scales == [2.0**10, 2.0**11, 2.0**11, 2.0**11, 2.0**11, 2.0**10, 2.0**9, 2.0**9,
                       2.0**9]
+
+
+# -- gradient layouts (issue 9 item 1) -----------------------------------------------------------
+
+class Layouts(nn.Module):
+    """A conv (channels_last-able), a transposed weight and an embedding."""
+
+    def __init__(self, transposed: bool, sparse: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        weight = torch.randn(6, 4 * 4 * 4) * 0.05
+        self.w = nn.Parameter(weight.t().contiguous().t() if transposed else weight)
+        self.emb = nn.Embedding(10, 6, sparse=sparse)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x).flatten(1)
+        return h @ self.w.t() + self.emb(ids)
+
+
+def _layout_run(level: str, dtype: torch.dtype, *, channels_last: bool, transposed: bool,
+                sparse: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = Layouts(transposed, sparse)
+    if channels_last:
+        model.conv.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampx.Amp(level, dtype=dtype, verbosity=0, loss_scale="dynamic",
+                          init_scale=2.0**8).initialize(model, opt)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(2, 3, 4, 4, generator=g)
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        ids = torch.randint(0, 10, (2,), generator=g)
+        opt.zero_grad()
+        loss = model(x, ids).float().pow(2).mean()
+        with ampx.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        assert not ampx.step_was_skipped(opt)
+    if level == "O2":  # every master keeps its model parameter's layout
+        for half, master in opt._ampx.masters.pairs():
+            assert half.stride() == master.stride()
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_any_gradient_layout_trains_like_the_contiguous_run(level, half_dtype):
+    plain = _layout_run(level, half_dtype, channels_last=False, transposed=False, sparse=False)
+    odd = _layout_run(level, half_dtype, channels_last=True, transposed=True, sparse=True)
+    tol = 1e-2 if half_dtype == torch.bfloat16 else 2e-3  # conv kernels differ per layout
+    for a, b in zip(plain, odd):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_sparse_gradients_are_unscaled_and_checked(level, half_dtype):
+    torch.manual_seed(0)
+    model = nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt = ampx.Amp(level, dtype=half_dtype, verbosity=0, loss_scale="dynamic",
+                          init_scale=2.0**8).initialize(model, opt)
+    ids = torch.tensor([1, 3, 3])
+    before = next(iter(ampx.master_params(opt))).detach().clone()
+    with ampx.scale_loss(model(ids).float().sum(), opt) as scaled:
+        scaled.backward()
+    grad = next(iter(ampx.master_params(opt))).grad
+    assert grad.is_sparse
+    dense = grad.to_dense()
+    assert torch.equal(dense[3], torch.full((4,), 2.0)) and torch.equal(dense[1], torch.ones(4))
+    opt.step()
+    assert not ampx.step_was_skipped(opt)
+    with ampx.scale_loss(model(ids).float().sum(), opt) as scaled:
+        scaled.backward()
+        for p in model.parameters():
+            p.grad._values()[0, 0] = float("inf")
+    stepped = next(iter(ampx.master_params(opt))).detach().clone()
+    opt.step()
+    assert ampx.step_was_skipped(opt)
+    assert torch.equal(stepped, next(iter(ampx.master_params(opt))))
+    assert not torch.equal(before, stepped)

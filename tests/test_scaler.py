@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import ampx
 from ampx import scaler as scaler_mod
 from ampx.scaler import STATE_VERSION, LossScaler
 
@@ -247,3 +248,50 @@ def test_dynamic_static_mismatch_raises():
     with pytest.raises(ValueError, match="static"):
         dynamic.load_state_dict(static.state_dict(), "loss_scaler0")
     assert dynamic.loss_scale() == 2.0**16
+
+
+# -- overflow storms recover (issue 9 item 8) ----------------------------------------------------
+
+def test_storm_stops_at_a_floor_of_one_and_the_message_is_true(caplog):
+    s = LossScaler("dynamic", init_scale=2.0**16, growth_interval=3)
+    with caplog.at_level(logging.INFO, logger="ampx"):
+        for _ in range(200):  # a long overflow storm
+            s.update_(torch.ones(1))
+            s.report_overflow()
+    assert s.loss_scale() == 1.0 and s.floor == 1.0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "minimum scale 1.0" in warnings[0]
+    assert "keep overflowing" not in warnings[0] and "grows again after 3 clean" in warnings[0]
+    for _ in range(3):  # the storm is over: the scale grows back
+        s.update_(torch.zeros(1))
+    assert s.loss_scale() == 2.0
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_training_recovers_after_an_overflow_storm(level):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampx.initialize(model, opt, opt_level=level, dtype=torch.float16,
+                                 loss_scale="dynamic", verbosity=0, growth_interval=2)
+    x = torch.randn(16, 8)
+
+    def step(poison: bool) -> None:
+        opt.zero_grad()
+        with ampx.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+            if poison:
+                next(iter(model.parameters())).grad.fill_(float("inf"))
+        opt.step()
+
+    for _ in range(60):
+        step(True)
+    before = [p.detach().clone() for p in ampx.master_params(opt)]
+    step(False)
+    assert not ampx.step_was_skipped(opt)
+    # at the floor the fp16 gradients are ordinary values: the step moves the weights
+    assert all(not torch.equal(a, b) for a, b in zip(before, ampx.master_params(opt)))
+    session = ampx.frontend.default_session()
+    assert session is not None and session.loss_scale() == 1.0
+    step(False)
+    assert session.loss_scale() == 2.0  # growing back after growth_interval clean steps

@@ -23,11 +23,12 @@ from .. import _ext
 from ..frontend import Amp
 from ..masters import optimizer_params
 from ..optimizer import Stage, amp_state_of
+from ..option_values import HALF_DTYPES
 from ..scaler import LossScaler
 
 __all__ = ["MasterStrategy", "MemoryEfficientStrategy", "Strategy", "make_strategy"]
 
-HALF = (torch.float16, torch.bfloat16)
+HALF = HALF_DTYPES
 Factor = Union[float, torch.Tensor]
 
 
