@@ -30,6 +30,8 @@ _EXPORTS: dict[str, str] = {
     "LossScaler": "scaler",
     "OptLevel": "opt_levels",
     "OptionError": "opt_levels",
+    "OverflowPersistsError": "overflow_policy",
+    "OverflowReport": "overflow",
     "Properties": "opt_levels",
     "UnknownOptionError": "opt_levels",
     # apex's module functions (also in ampx.amp) and ampx's additions
@@ -39,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "float_function": "patch",
     "half_function": "patch",
     "initialize": "frontend",
+    "last_overflow": "overflow_session",
     "load_state_dict": "frontend",
     "master_params": "optimizer",
     "promote_function": "patch",
@@ -58,6 +61,8 @@ __all__ = [
     "LossScaler",
     "OptLevel",
     "OptionError",
+    "OverflowPersistsError",
+    "OverflowReport",
     "Properties",
     "UnknownOptionError",
     "add_args",
@@ -67,6 +72,7 @@ __all__ = [
     "float_function",
     "half_function",
     "initialize",
+    "last_overflow",
     "load_state_dict",
     "master_params",
     "promote_function",
@@ -94,6 +100,9 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     )
     from .opt_levels import OptionError, OptLevel, Properties, UnknownOptionError
     from .optimizer import master_params
+    from .overflow import OverflowReport
+    from .overflow_policy import OverflowPersistsError
+    from .overflow_session import last_overflow
     from .patch import (
         CastError,
         disable_casts,

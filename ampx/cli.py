@@ -213,6 +213,9 @@ def _add_run(subs: Any) -> None:
     extra.add_argument("--telemetry-file", metavar="PATH",
                        help="write per-step JSON lines here (sets AMPX_TELEMETRY; ranks > 0 "
                             "append .RANK)")
+    extra.add_argument("--explain-overflows", action="store_true",
+                       help="name the first module whose activations became inf/NaN on "
+                            "skipped steps (forces detect_overflow='forward')")
     extra.add_argument("--max-steps", type=_positive_int, metavar="N",
                        help="end the script (exit 0) after N optimizer steps")
     extra.add_argument("--force-apex-alias", action="store_true",
@@ -353,6 +356,8 @@ def _forced_from_args(args: argparse.Namespace) -> dict[str, Any]:
         forced["opt_level"] = args.opt_level
     if args.dtype is not None:
         forced["dtype"] = _DTYPE_NAMES[args.dtype]
+    if args.explain_overflows:
+        forced["detect_overflow"] = "forward"
     for key in ("loss_scale", "keep_batchnorm_fp32", "master_weights", "min_loss_scale",
                 "max_loss_scale"):
         value = getattr(args, key)

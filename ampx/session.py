@@ -29,6 +29,8 @@ from .opt_levels import (
 )
 from .optimizer import OptimizerAmpState, Policy, amp_state_of
 from .option_values import HALF_DTYPES
+from .overflow import OverflowReport
+from .overflow_session import OverflowWatch
 from .scaled_pass import ScaledPass
 from .scaler import LossScaler
 
@@ -88,6 +90,7 @@ class Amp:
         self.optimizers: list[torch.optim.Optimizer] = []
         self._model_casts: list[ModelCast] = []
         self._o1: patch.O1Patches | None = None
+        self.overflow_watch: OverflowWatch | None = None  # provenance, once initialized
         self._initialized = False
 
     @classmethod
@@ -163,6 +166,8 @@ class Amp:
         prepared = initializer.prepare(self, inputs, self._policy())
         self.models, self.optimizers = inputs.models, inputs.optimizers
         self._model_casts, self._o1 = prepared.casts, prepared.o1
+        if props.scales_gradients:
+            self.overflow_watch = OverflowWatch.attach(self.models, self.optimizers, props)
         self._initialized = True
         tel = telemetry.sink()
         if tel is not None:
@@ -261,11 +266,27 @@ class Amp:
         """What this session hands each optimizer's state at attach."""
         return Policy(scales=self.scales_gradients, skips=self.skips_non_finite,
                       master_weights=bool(self.properties.master_weights),
-                      on_overflow=self._report_overflow, on_step=self.record_step)
+                      per_tensor=self.scales_gradients, on_overflow=self._report_overflow,
+                      on_skip=self._on_skip, on_step=self.record_step)
 
     def _report_overflow(self, loss_ids: Any) -> None:
-        for loss_id in loss_ids:
-            self.scalers[loss_id].report_overflow()
+        if self.overflow_watch is None:  # else _on_skip logs, with the provenance
+            for loss_id in loss_ids:
+                self.scalers[loss_id].report_overflow()
+
+    def _on_skip(self, optimizer: Any, state: OptimizerAmpState) -> None:
+        if self.overflow_watch is not None:
+            self.overflow_watch.on_skip(
+                optimizer, state.overflow_flags, step=state.steps,
+                loss_ids=sorted(state.loss_ids), scalers=self.scalers,
+                process_group=self.process_group,
+                distributed=self.sync_overflow and distributed.is_multi_rank(self.process_group))
+
+    def last_overflow(self, optimizer: torch.optim.Optimizer) -> OverflowReport | None:
+        """Where the inf/NaN of `optimizer`'s latest skipped step came from (None: no skip)."""
+        self._state_of(optimizer)
+        watch = self.overflow_watch
+        return watch.last(optimizer) if watch is not None else None
 
     def _state_of(self, optimizer: Any) -> OptimizerAmpState:
         state = amp_state_of(optimizer)
@@ -299,6 +320,7 @@ class Amp:
         """Called after every step of an initialized optimizer (telemetry, when enabled)."""
         tel = telemetry.sink()
         now = time.perf_counter()
+        report = self.overflow_watch.step_done() if self.overflow_watch is not None else None
         if tel is not None:
             loss = state.last_loss
             loss_ids = sorted(state.loss_ids) or [0]
@@ -310,6 +332,7 @@ class Amp:
                 loss_scale=self.scalers[loss_ids[0]].loss_scale(),
                 skipped=state.last_step_skipped,
                 device=params.device if params is not None else None,
+                overflow=report.as_dict() if report is not None else None,
             )
         state.last_step_end = now
 
@@ -324,6 +347,8 @@ class Amp:
         out: dict[str, Any] = OrderedDict() if destination is None else destination
         for i, scaler in enumerate(self.scalers):
             out[f"loss_scaler{i}"] = scaler.state_dict()
+        if self.overflow_watch is not None:  # only with on_overflow other than "skip"
+            self.overflow_watch.add_state(out)
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -335,7 +360,15 @@ class Amp:
         Raises:
             CheckpointError: Naming the offending key.
         """
+        checked = None
+        if self.overflow_watch is not None and isinstance(state_dict, Mapping):
+            try:
+                state_dict, checked = self.overflow_watch.split_state(state_dict)
+            except ValueError as exc:
+                raise checkpoint.CheckpointError(str(exc)) from None
         checkpoint.load(self.scalers, state_dict, stacklevel=4)
+        if checked is not None and self.overflow_watch is not None:
+            self.overflow_watch.load_checked(checked)
 
     # -- teardown ---------------------------------------------------------------------------------
     @property

@@ -52,6 +52,7 @@ from .. import _ext
 from ..distributed import aggregate_dtensor_norm, local
 from ..frontend import Amp
 from ..masters import optimizer_params
+from ..overflow_session import with_report
 from ..scaler import LossScaler
 from .strategies import Factor, MemoryEfficientStrategy, Strategy, make_strategy
 
@@ -407,14 +408,14 @@ class AmpOptimizer:
             if scale_before is not None:
                 self.scaler.scale.copy_(scale_before)  # as fairseq: keep the last usable scale
             self._reset()
-            raise FloatingPointError(
+            raise with_report(FloatingPointError(
                 f"Minimum loss scale reached ({self._floor()}). Your loss is probably exploding. "
                 "Try lowering the learning rate, using gradient clipping or increasing the "
                 "batch size."
-            )
+            ), self._optimizer)
         new_scale = self.loss_scale
         self._reset()
-        raise OverflowError(f"setting loss scale to: {new_scale}")
+        raise with_report(OverflowError(f"setting loss scale to: {new_scale}"), self._optimizer)
 
     def _skip(self, flag_set: bool) -> None:
         """Consume this update as a skipped step (ampx logs and counts it)."""
