@@ -1,34 +1,36 @@
-"""O1 function patching: cast policies, an exactly-undoable patch set, user registrations.
+"""O1 installation: an exactly-undoable patch set, activate/deactivate, user registrations.
 
 The torch namespace is the one process-global thing ampx touches. Every replacement goes
 through a `PatchSet`, which remembers whether the attribute was the owner's own or inherited,
 so `restore()` puts back the very same objects (or deletes what was inherited). At most one
-set of O1 patches is active per process (`activate` replaces the previous one cleanly).
+set of O1 patches is active per process (`activate` replaces the previous one cleanly). The
+cast policies live in `policies.py`, the wrapper closures in `wrappers.py`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import importlib
 import logging
-import operator
-from collections.abc import Iterator
-from dataclasses import dataclass
+import sys
 from typing import Any, Callable, TypeVar
 
 import torch
-import wrapt
 
-from .casting import WeightCastCache, cast_method
+from .casting import WeightCastCache
 from .lists import ListEntry, Policy, owner_object, resolve
+from .policies import CastConfig, Caster, CastError, casts_disabled, disable_casts
+from .wrappers import decorator_wrapper, make_wrapper
 
 __all__ = [
-    "CastError",
     "CastConfig",
+    "CastError",
+    "O1Patches",
     "PatchSet",
+    "Registration",
     "activate",
     "active",
     "casts_enabled",
+    "clear_cache",
     "deactivate",
     "disable_casts",
     "float_function",
@@ -41,58 +43,22 @@ __all__ = [
 
 logger = logging.getLogger("ampx")
 
-_Tensor = torch.Tensor
-_Parameter = torch.nn.Parameter
-_HALF_TYPES = frozenset({torch.float16, torch.bfloat16})
 _MISSING = object()
-
-# Per thread and per asyncio task: casts are disabled only where disable_casts() was entered.
-_CASTS_DISABLED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "ampx_casts_disabled", default=False
-)
-
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class CastError(NotImplementedError):
-    """A function that cannot run safely on half-precision inputs was called with them.
-
-    A NotImplementedError, as in apex, because legacy code catches that type.
-    """
-
-
-_BANNED_MESSAGE = (
-    "ampx: {name} was called with half-precision inputs. It is unsafe in half precision "
-    "(its input is a probability computed by a sigmoid, which rounds to exactly 0 or 1), so "
-    "O1 refuses it.\nTo fix it, do one of these:\n"
-    "  1. compute the loss from logits with F.binary_cross_entropy_with_logits or "
-    "nn.BCEWithLogitsLoss (fast and safe);\n"
-    "  2. run the sigmoid in float32: ampx.register_float_function(torch, 'sigmoid');\n"
-    "  3. pass allow_banned=True to ampx.initialize to run {name} in float32."
-)
-
-
-@contextlib.contextmanager
-def disable_casts() -> Iterator[None]:
-    """Run a block with O1's casts off (in this thread / task only).
-
-    Nestable and exception-safe; a no-op at O0, O2 and O3 (there are no casts to disable).
-
-    Example::
-
-        with ampx.disable_casts():
-            out = my_custom_kernel(x.float())
-    """
-    token = _CASTS_DISABLED.set(True)
-    try:
-        yield
-    finally:
-        _CASTS_DISABLED.reset(token)
 
 
 def casts_enabled() -> bool:
     """True when O1 patches are active and not disabled in the current context."""
-    return _ACTIVE is not None and not _CASTS_DISABLED.get()
+    return _ACTIVE is not None and not casts_disabled()
+
+
+def _raw_attribute(owner: Any, name: str) -> Any:
+    """`owner.name` as stored: the descriptor found on the class's MRO, or getattr's value."""
+    if isinstance(owner, type):
+        for klass in owner.__mro__:
+            if name in vars(klass):
+                return vars(klass)[name]
+    return getattr(owner, name)
 
 
 class PatchSet:
@@ -100,500 +66,72 @@ class PatchSet:
 
     Each `apply` records whether the owner held the attribute itself (then the very same
     object is put back) or inherited it (then the override is deleted). Applying the same
-    attribute twice keeps the first original, so wrappers never stack.
+    attribute twice keeps the first original, so wrappers never stack. A replacement is
+    recorded only once `setattr` has succeeded.
     """
 
     def __init__(self) -> None:
-        self._records: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+        # (id(owner), name) -> (owner, name, own value or _MISSING, raw original)
+        self._records: dict[tuple[int, str], tuple[Any, str, Any, Any]] = {}
 
     def __len__(self) -> int:
         return len(self._records)
 
-    def __contains__(self, key: tuple[Any, str]) -> bool:
-        return (id(key[0]), key[1]) in self._records
-
     def original(self, owner: Any, name: str) -> Any:
-        """The attribute as it was before this set first replaced it (resolved via getattr)."""
+        """The raw attribute as it was before this set first replaced it."""
         record = self._records.get((id(owner), name))
-        if record is None:
-            return getattr(owner, name)
-        own = record[2]
-        return getattr(owner, name) if own is _MISSING else own
+        return _raw_attribute(owner, name) if record is None else record[3]
 
     def apply(self, owner: Any, name: str, replacement: Any) -> None:
         """Replace `owner.name` with `replacement`, remembering what to put back."""
         key = (id(owner), name)
-        if key not in self._records:
-            own = vars(owner).get(name, _MISSING)
-            self._records[key] = (owner, name, own)
+        record = self._records.get(key)
+        if record is None:
+            record = (owner, name, vars(owner).get(name, _MISSING), _raw_attribute(owner, name))
         setattr(owner, name, replacement)
+        self._records[key] = record
+
+    def restore_one(self, owner: Any, name: str) -> None:
+        """Put back one replaced attribute (nothing happens if it was not replaced)."""
+        record = self._records.pop((id(owner), name), None)
+        if record is not None:
+            _put_back(record)
 
     def restore(self) -> None:
         """Put every replaced attribute back, newest first."""
         errors = []
-        for owner, name, own in reversed(list(self._records.values())):
+        for record in reversed(list(self._records.values())):
             try:
-                if own is _MISSING:
-                    delattr(owner, name)
-                else:
-                    setattr(owner, name, own)
+                _put_back(record)
             except Exception as exc:  # keep restoring the rest, then report
-                errors.append(f"{getattr(owner, '__name__', owner)}.{name}: {exc}")
+                errors.append(f"{_owner_label(record[0])}.{record[1]}: {exc}")
         self._records.clear()
         if errors:
             raise RuntimeError("ampx.restore: could not restore " + "; ".join(errors))
 
-    def __enter__(self) -> PatchSet:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.restore()
-
-
-@dataclass(frozen=True)
-class CastConfig:
-    """What O1's casts do: target dtype, which devices, banned handling, cast logging."""
-
-    dtype: torch.dtype
-    device_types: frozenset[str]
-    allow_banned: bool = False
-    verbose: bool = False
-
-
-_Converter = Callable[[tuple, dict], "tuple[tuple, dict] | None"]
-_TensorCast = Callable[[torch.Tensor], torch.Tensor]
-_FLOATING = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-_PROMOTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32})
-
-
-def _cast_tree(value: Any, cast: _TensorCast) -> Any:
-    """Apply a tensor cast inside lists, tuples, namedtuples and dicts; `value` if unchanged."""
-    if isinstance(value, _Tensor):
-        return cast(value)
-    cls = type(value)
-    if cls is list or cls is tuple or (isinstance(value, tuple) and hasattr(cls, "_fields")):
-        items = [_cast_tree(v, cast) for v in value]
-        if all(a is b for a, b in zip(items, value)):
-            return value
-        return cls(*items) if cls is not list and cls is not tuple else cls(items)
-    if cls is dict:
-        mapped = {k: _cast_tree(v, cast) for k, v in value.items()}
-        return value if all(mapped[k] is v for k, v in value.items()) else mapped
-    return value
-
-
-def _is_container(value: Any) -> bool:
-    return isinstance(value, (list, tuple, dict))
-
-
-def _floating_dtypes(values: Any, eligible: Callable[[torch.Tensor], bool], found: set) -> None:
-    for v in values:
-        if isinstance(v, _Tensor):
-            if v.dtype in _FLOATING and eligible(v):
-                found.add(v.dtype)
-        elif isinstance(v, (list, tuple)):
-            _floating_dtypes(v, eligible, found)
-        elif type(v) is dict:
-            _floating_dtypes(v.values(), eligible, found)
-
-
-def _has_half(values: Any, eligible: Callable[[torch.Tensor], bool]) -> bool:
-    for v in values:
-        if isinstance(v, _Tensor):
-            if v.dtype in _HALF_TYPES and eligible(v):
-                return True
-        elif isinstance(v, (list, tuple)):
-            if _has_half(v, eligible):
-                return True
-        elif type(v) is dict and _has_half(v.values(), eligible):
-            return True
-    return False
-
-
-class Caster:
-    """Builds the argument converters and wrappers of each policy for one `CastConfig`.
-
-    A converter takes the full positional arguments (self first, for methods) and kwargs, and
-    returns converted ones, or None when nothing needs casting (the common fast path: no
-    tuple is rebuilt). Tensor casts are specialised closures built once per session: the
-    half cast goes through the weight cache for leaf tensors that require grad and for
-    parameters, and float64 tensors are never cast.
-    """
-
-    def __init__(self, config: CastConfig) -> None:
-        self.config = config
-        self.cache = WeightCastCache()
-        self._eligible = _device_predicate(config.device_types)
-        self._converters: dict[tuple[Policy, str], _Converter] = {}
-        self._half_casts: dict[str, _TensorCast] = {}
-        self._dtype_casts: dict[tuple, _TensorCast] = {}
-        self._wrappers: dict[Policy, Callable[..., Any]] = {}
-
-    # -- tensor casts ------------------------------------------------------------------------
-    def half_cast(self, name: str = "") -> _TensorCast:
-        """`tensor -> tensor in the session's half dtype` (cached for weights), for `name`."""
-        cast = self._half_casts.get(name if self.config.verbose else "")
-        if cast is not None:
-            return cast
-        half = self.config.dtype
-        lower_from = frozenset({torch.float32} | (_HALF_TYPES - {half}))
-        eligible = self._eligible
-        cached = self.cache.bind(half)
-        plain = cast_method(half)
-        verbose = self.config.verbose
-        parameter = _Parameter
-
-        def to_half(t: torch.Tensor) -> torch.Tensor:
-            if t.dtype not in lower_from or not eligible(t):
-                return t
-            if verbose:
-                logger.info("%s->%s (%s)", t.dtype, half, name)
-            if t.requires_grad:
-                return cached(t) if t.is_leaf else plain(t)
-            return cached(t) if isinstance(t, parameter) else plain(t)
-
-        self._half_casts[name if verbose else ""] = to_half
-        return to_half
-
-    def dtype_cast(self, dtype: torch.dtype, sources: frozenset, name: str = "") -> _TensorCast:
-        """`tensor -> tensor.to(dtype)` for eligible tensors whose dtype is in `sources`."""
-        key = (dtype, sources, name if self.config.verbose else "")
-        cached = self._dtype_casts.get(key)
-        if cached is None:
-            cached = self._dtype_casts[key] = self._make_dtype_cast(dtype, sources, name)
-        return cached
-
-    def _make_dtype_cast(self, dtype: torch.dtype, sources: frozenset, name: str) -> _TensorCast:
-        sources = sources - {dtype}
-        eligible = self._eligible
-        convert = cast_method(dtype)
-        verbose = self.config.verbose
-
-        def to_dtype(t: torch.Tensor) -> torch.Tensor:
-            if t.dtype not in sources or not eligible(t):
-                return t
-            if verbose:
-                logger.info("%s->%s (%s)", t.dtype, dtype, name)
-            return convert(t)
-
-        return to_dtype
-
-    # -- converters ------------------------------------------------------------------------
-    def converter(self, policy: Policy, name: str) -> _Converter:
-        """The argument converter implementing `policy` for the function called `name`.
-
-        Converters are built once per (policy, name) and reused.
-        """
-        # The name only shows in error messages and cast logs: share the rest.
-        named = self.config.verbose or policy in (Policy.INPLACE_FP32_ERROR, Policy.BANNED)
-        key = (policy, name if named else "")
-        convert = self._converters.get(key)
-        if convert is None:
-            convert = self._build(policy, name)
-            self._converters[key] = convert
-        return convert
-
-    def _build(self, policy: Policy, name: str) -> _Converter:
-        if policy in (Policy.LOWER, Policy.RNN):
-            return _map(self.half_cast(name))
-        if policy is Policy.FP32:
-            return _map(self.dtype_cast(torch.float32, _HALF_TYPES, name))
-        if policy is Policy.PROMOTE:
-            return self._promote(name, sequence=False)
-        if policy is Policy.SEQUENCE_PROMOTE:
-            return self._promote(name, sequence=True)
-        if policy is Policy.INPLACE_MATCH_SELF:
-            return self._inplace_match_self(name)
-        if policy is Policy.INPLACE_FP32_ERROR:
-            return self._inplace_fp32(name)
-        if policy is Policy.BANNED:
-            return self._banned(name)
-        if policy is Policy.RNN_CHECK:
-            return self._rnn_check()
-        raise ValueError(f"ampx: unknown cast policy {policy!r}")
-
-    def _promote(self, name: str, *, sequence: bool) -> _Converter:
-        eligible = self._eligible
-        casts = {
-            dtype: self.dtype_cast(dtype, _PROMOTABLE, name)
-            for dtype in (torch.float32, torch.float64)
-        }
-
-        def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            if sequence:
-                if not args or not isinstance(args[0], (list, tuple)):
-                    return None
-                scope: Any = args[0]
-            else:
-                # Fast path: the common all-same-dtype call touches no set.
-                first = None
-                for v in args:
-                    if isinstance(v, _Tensor):
-                        dtype = v.dtype
-                        if dtype in _FLOATING:
-                            if first is None:
-                                first = dtype
-                            elif dtype is not first:
-                                break
-                    elif _is_container(v):
-                        break
-                else:
-                    if not kwargs:
-                        return None
-                scope = args
-            found: set = set()
-            _floating_dtypes(scope, eligible, found)
-            if not sequence and kwargs:
-                _floating_dtypes(kwargs.values(), eligible, found)
-            if len(found) < 2:
-                return None
-            cast = casts[torch.float64 if torch.float64 in found else torch.float32]
-            if sequence:
-                seq = _cast_tree(args[0], cast)
-                return (seq, *args[1:]), kwargs
-            new_args = tuple(_cast_tree(v, cast) for v in args)
-            new_kwargs = {k: _cast_tree(v, cast) for k, v in kwargs.items()} if kwargs else kwargs
-            return new_args, new_kwargs
-
-        return convert
-
-    def _inplace_match_self(self, name: str) -> _Converter:
-        eligible = self._eligible
-        casts = {
-            dtype: self.dtype_cast(dtype, _PROMOTABLE, name)
-            for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-        }
-
-        def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            target = args[0] if args else None
-            if not isinstance(target, _Tensor):
-                return None
-            dtype = target.dtype
-            cast = casts.get(dtype)
-            if cast is None or not eligible(target):
-                return None
-            for v in args[1:]:  # fast path: nothing of another floating type
-                if isinstance(v, _Tensor):
-                    if v.dtype is not dtype and v.dtype in _PROMOTABLE:
-                        break
-                elif _is_container(v):
-                    break
-            else:
-                if not kwargs:
-                    return None
-            return _map(cast)(args, kwargs)
-
-        return convert
-
-    def _inplace_fp32(self, name: str) -> _Converter:
-        eligible = self._eligible
-        to_float = _map(self.dtype_cast(torch.float32, _HALF_TYPES, name))
-        plain = name.rsplit(".", 1)[-1].strip("_").replace("ipow", "pow").rstrip("_")
-
-        def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            target = args[0] if args else None
-            if isinstance(target, _Tensor) and target.dtype in _HALF_TYPES and eligible(target):
-                raise CastError(
-                    f"ampx: cannot call in-place {name} on a {target.dtype} tensor under O1: "
-                    f"{plain} runs in float32 under O1, and the float32 result cannot be stored "
-                    f"back in place. Use the out-of-place {plain} (x = x.{plain}(...)), or call "
-                    "it inside ampx.disable_casts()."
-                )
-            return to_float(args, kwargs)
-
-        return convert
-
-    def _banned(self, name: str) -> _Converter:
-        eligible = self._eligible
-        to_float = _map(self.dtype_cast(torch.float32, _HALF_TYPES, name))
-        allow = self.config.allow_banned
-
-        def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            if not (_has_half(args, eligible) or (kwargs and _has_half(kwargs.values(), eligible))):
-                return None
-            if not allow:
-                raise CastError(_BANNED_MESSAGE.format(name=name))
-            return to_float(args, kwargs)
-
-        return convert
-
-    def _rnn_check(self) -> _Converter:
-        # RNNBase.check_input(self, input, batch_sizes) rejects an input whose dtype differs
-        # from the fp32 weights unless torch.autocast is on; under O1 the _VF entry points
-        # cast both, so the check sees a stand-in of the weights' dtype (no data).
-        eligible = self._eligible
-        convertible = _PROMOTABLE
-
-        def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            if len(args) < 2:
-                return None
-            module, data = args[0], args[1]
-            weights = getattr(module, "_flat_weights", None)
-            if not isinstance(data, _Tensor) or not weights:
-                return None
-            wdtype = weights[0].dtype
-            if (data.dtype is wdtype or data.dtype not in convertible
-                    or wdtype not in convertible or not eligible(data)):
-                return None
-            stand_in = torch.empty(data.shape, dtype=wdtype, device="meta")
-            return (module, stand_in, *args[2:]), kwargs
-
-        return convert
-
-    # -- wrappers ----------------------------------------------------------------------------
-    def function_wrapper(self, original: Any, policy: Policy, name: str,
-                         *, method: bool) -> Callable[..., Any]:
-        """A wrapt wrapper `(wrapped, instance, args, kwargs)` applying `policy`.
-
-        For methods, wrapt passes `self` as `instance` (also when called through the class),
-        and the unbound `original` is called with the converted self.
-        """
-        if not method and not self.config.verbose and policy not in (
-                Policy.INPLACE_FP32_ERROR, Policy.BANNED):
-            # Function wrappers don't depend on the function: share one per policy (fewer
-            # objects per initialize, so less garbage-collector work).
-            shared = self._wrappers.get(policy)
-            if shared is None:
-                shared = self._wrappers[policy] = self._function_wrapper(
-                    original, policy, name, method=False)
-            return shared
-        return self._function_wrapper(original, policy, name, method=method)
-
-    def _function_wrapper(self, original: Any, policy: Policy, name: str,
-                          *, method: bool) -> Callable[..., Any]:
-        disabled = _CASTS_DISABLED.get
-        if policy in (Policy.LOWER, Policy.RNN, Policy.FP32):
-            # The hot path (F.linear, matmul, softmax...): one specialised closure, no tuple
-            # rebuilt when nothing changes.
-            if policy is Policy.FP32:
-                cast = self.dtype_cast(torch.float32, _HALF_TYPES, name)
-            else:
-                cast = self.half_cast(name)
-            if method:
-                return _map_method_wrapper(original, cast, disabled)
-            return _map_function_wrapper(cast, disabled)
-
-        convert = self.converter(policy, name)
-        if method:
-            def cast_method(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-                if disabled():
-                    return wrapped(*args, **kwargs)
-                converted = convert((instance, *args), kwargs)
-                if converted is None:
-                    return wrapped(*args, **kwargs)
-                return original(*converted[0], **converted[1])
-
-            return cast_method
-
-        def cast_function(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-            if disabled():
-                return wrapped(*args, **kwargs)
-            converted = convert(args, kwargs)
-            if converted is None:
-                return wrapped(*args, **kwargs)
-            return wrapped(*converted[0], **converted[1])
-
-        return cast_function
-
-
-def _map(cast: _TensorCast) -> _Converter:
-    """A converter applying `cast` to every floating tensor (nested ones too)."""
-
-    def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        new: list | None = None
-        for i, a in enumerate(args):
-            if isinstance(a, _Tensor):
-                c = cast(a)
-            elif _is_container(a):
-                c = _cast_tree(a, cast)
-            else:
-                continue
-            if c is not a:
-                if new is None:
-                    new = list(args)
-                new[i] = c
-        if kwargs:
-            new_kwargs = None
-            for k, v in kwargs.items():
-                c = _cast_tree(v, cast)
-                if c is not v:
-                    if new_kwargs is None:
-                        new_kwargs = dict(kwargs)
-                    new_kwargs[k] = c
-            if new_kwargs is not None:
-                return (args if new is None else tuple(new)), new_kwargs
-        return None if new is None else (tuple(new), kwargs)
-
-    return convert
-
-
-def _map_function_wrapper(cast: _TensorCast, disabled: Callable[[], bool]) -> Callable[..., Any]:
-    convert = _map(cast)
-
-    def cast_function(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        if disabled():
-            return wrapped(*args, **kwargs)
-        if kwargs:
-            converted = convert(args, kwargs)
-            if converted is None:
-                return wrapped(*args, **kwargs)
-            return wrapped(*converted[0], **converted[1])
-        # Inlined _map for the common all-positional call (F.linear(x, w, b)).
-        new: list | None = None
-        i = 0
-        for a in args:
-            if isinstance(a, _Tensor):
-                c = cast(a)
-            elif isinstance(a, (list, tuple, dict)):
-                c = _cast_tree(a, cast)
-            else:
-                i += 1
-                continue
-            if c is not a:
-                if new is None:
-                    new = list(args)
-                new[i] = c
-            i += 1
-        return wrapped(*args) if new is None else wrapped(*new)
-
-    return cast_function
-
-
-def _map_method_wrapper(original: Any, cast: _TensorCast,
-                        disabled: Callable[[], bool]) -> Callable[..., Any]:
-    convert = _map(cast)
-
-    def cast_method(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        if disabled():
-            return wrapped(*args, **kwargs)
-        this = cast(instance) if isinstance(instance, _Tensor) else instance
-        converted = convert(args, kwargs) if (args or kwargs) else None
-        if converted is None:
-            if this is instance:
-                return wrapped(*args, **kwargs)
-            return original(this, *args, **kwargs)
-        return original(this, *converted[0], **converted[1])
-
-    return cast_method
-
-
-def _device_predicate(device_types: frozenset[str]) -> Callable[[torch.Tensor], bool]:
-    # The common single-device cases read the cheap is_cpu/is_cuda properties through a
-    # C-level attrgetter (no Python frame per tensor).
-    if device_types == frozenset({"cpu"}):
-        return operator.attrgetter("is_cpu")
-    if device_types == frozenset({"cuda"}):
-        return operator.attrgetter("is_cuda")
-    return lambda t: t.device.type in device_types
+def _put_back(record: tuple[Any, str, Any, Any]) -> None:
+    owner, name, own, _ = record
+    if own is _MISSING:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, own)
 
 
 class O1Patches:
-    """One installation of the O1 patches: the lists plus the user registrations."""
+    """One installation of the O1 patches: the lists plus the user registrations.
+
+    Attributes:
+        live: True while installed; every wrapper of this installation reads it and passes
+            straight through once it is False.
+    """
 
     def __init__(self, config: CastConfig) -> None:
         self.config = config
         self.caster = Caster(config)
         self.patches = PatchSet()
+        self.live = False
+        self._listed: dict[tuple[int, str], ListEntry] = {}
 
     @property
     def cache(self) -> WeightCastCache:
@@ -601,15 +139,10 @@ class O1Patches:
         return self.caster.cache
 
     def _patch(self, owner: Any, name: str, policy: Policy, label: str) -> None:
-        original = self.patches.original(owner, name)
-        method = isinstance(owner, type)
-        static = method and isinstance(_class_attribute(owner, name), staticmethod)
-        wrapper = self.caster.function_wrapper(original, policy, label,
-                                               method=method and not static)
-        replacement: Any = wrapt.FunctionWrapper(original, wrapper)
-        if static:
-            replacement = staticmethod(replacement)
-        self.patches.apply(owner, name, replacement)
+        raw = self.patches.original(owner, name)
+        kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+        wrapper = make_wrapper(raw.__func__ if kind else raw, policy, label, self.caster, self)
+        self.patches.apply(owner, name, kind(wrapper) if kind else wrapper)
 
     def install(self, entries: list[ListEntry]) -> None:
         """Apply every list entry, then every user registration; all or nothing.
@@ -617,29 +150,110 @@ class O1Patches:
         A registration of a name that a list already patched replaces that patch (it
         wraps the original, never the list's wrapper).
         """
+        self.live = True
         try:
+            self.patches.apply(torch.Tensor, "data", _data_property(self))
             for entry in entries:
-                self._patch(owner_object(entry.owner), entry.name, entry.policy,
-                            f"{entry.owner}.{entry.name}")
+                owner = owner_object(entry.owner)
+                self._listed[(id(owner), entry.name)] = entry
+                self._patch(owner, entry.name, entry.policy, f"{entry.owner}.{entry.name}")
             for owner, name, policy in list(_USER_REGISTRY.values()):
                 self._patch(owner, name, policy, f"{_owner_label(owner)}.{name}")
         except BaseException:
-            self.patches.restore()
+            self.uninstall()
             raise
 
     def register(self, owner: Any, name: str, policy: Policy) -> None:
         """Patch one more function now (a registration made after initialize)."""
         self._patch(owner, name, policy, f"{_owner_label(owner)}.{name}")
 
+    def unregister(self, owner: Any, name: str) -> None:
+        """Undo a registration: back to the list's wrapper, or to the original."""
+        entry = self._listed.get((id(owner), name))
+        if entry is not None:
+            self._patch(owner, name, entry.policy, f"{entry.owner}.{name}")
+        else:
+            self.patches.restore_one(owner, name)
+
     def uninstall(self) -> None:
-        """Restore every patched attribute and drop the cache."""
+        """Turn every wrapper into a pass-through, restore the attributes, drop the cache."""
+        self.live = False
         self.caster.cache.clear()
         self.patches.restore()
+
+
+def _data_property(session: O1Patches) -> property:
+    """`Tensor.data` that tells the weight cache about each alias it hands out.
+
+    A `.data` alias shares storage with its tensor but has a version counter of its own, so
+    `param.data.mul_(0.5)` would otherwise leave a stale cast in the cache.
+    """
+    descriptor: Any = torch._C.TensorBase.data
+    get, put = descriptor.__get__, descriptor.__set__
+    note = session.caster.cache.note_data_access
+
+    def data_get(self: torch.Tensor) -> torch.Tensor:
+        alias = get(self, type(self))
+        if session.live:
+            note(self, alias)
+        return alias
+
+    def data_set(self: torch.Tensor, value: torch.Tensor) -> None:
+        put(self, value)
+        if session.live:
+            note(self, None)
+
+    return property(data_get, data_set, doc=descriptor.__doc__)
 
 
 _ACTIVE: O1Patches | None = None
 # (id(owner), name) -> (owner, name, policy); kept across initialize/restore cycles.
 _USER_REGISTRY: dict[tuple[int, str], tuple[Any, str, Policy]] = {}
+_PRE_IMPORTS = (
+    # Modules that capture torch functions by identity at import: dynamo's trace rules (a
+    # captured wrapper would be "skipped" for good), inductor's extern kernels (mm, bmm...),
+    # the TorchScript-compiled jvp decompositions. Imported before the first patch.
+    "torch._dynamo",
+    "torch._inductor.select_algorithm",
+    "torch._inductor.kernel.mm",
+    "torch._inductor.kernel.bmm",
+    "torch._decomp.decompositions_for_jvp",
+)
+_prepared = False
+_RULE_MAP: list[Any] = [None]  # the rule map built before the active session's patches
+
+
+def _prepare_torch() -> None:
+    global _prepared
+    if not _prepared:
+        for name in _PRE_IMPORTS:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # a torch build without the compiler: nothing to protect
+                logger.debug("ampx: could not import %s before patching: %s", name, exc)
+        _prepared = True
+    rules = sys.modules.get("torch._dynamo.trace_rules")
+    if rules is not None:
+        # dynamo's map of torch functions is cached on first use, and torch clears it at
+        # times (init_process_group): build it from the originals before patching.
+        _RULE_MAP[0] = rules.get_torch_obj_rule_map()
+
+
+def _reset_compiled() -> None:
+    # dynamo does not guard Tensor-method patches: frames compiled with other patches (or
+    # none) must go when a session starts or ends.
+    if "torch._dynamo" in sys.modules:
+        torch.compiler.reset()
+
+
+def _drop_rules_built_during_session() -> None:
+    # A rule map rebuilt while patched holds the session's wrappers as torch functions and
+    # lacks the originals ("does not know how to trace builtin torch.layer_norm"): forget it.
+    rules: Any = sys.modules.get("torch._dynamo.trace_rules")
+    if rules is not None and rules.get_torch_obj_rule_map.cache_info().currsize:
+        if rules.get_torch_obj_rule_map() is not _RULE_MAP[0]:
+            rules.clear_lru_cache()
+    _RULE_MAP[0] = None
 
 
 def active() -> O1Patches | None:
@@ -654,6 +268,7 @@ def activate(config: CastConfig) -> O1Patches:
     torch's namespaces are as they were before the call.
     """
     global _ACTIVE
+    _prepare_torch()
     previous = _ACTIVE
     deactivate()
     patches = O1Patches(config)
@@ -665,6 +280,8 @@ def activate(config: CastConfig) -> O1Patches:
             previous.install(resolve())
             _ACTIVE = previous
         raise
+    finally:
+        _reset_compiled()
     _ACTIVE = patches
     logger.debug("ampx: installed %d O1 patches (%s)", len(patches.patches), config.dtype)
     return patches
@@ -675,7 +292,11 @@ def deactivate() -> None:
     global _ACTIVE
     if _ACTIVE is not None:
         patches, _ACTIVE = _ACTIVE, None
-        patches.uninstall()
+        try:
+            patches.uninstall()
+        finally:
+            _drop_rules_built_during_session()
+            _reset_compiled()
 
 
 def clear_cache() -> None:
@@ -688,67 +309,101 @@ def _owner_label(owner: Any) -> str:
     return getattr(owner, "__name__", type(owner).__name__)
 
 
-def _class_attribute(cls: type, name: str) -> Any:
-    """The raw attribute (descriptor) `cls.name` resolves to, or None."""
-    for klass in cls.__mro__:
-        if name in vars(klass):
-            return vars(klass)[name]
-    return None
+# -- user registrations -----------------------------------------------------------------------
+
+class Registration:
+    """What `register_*_function` returns: `remove()` undoes that registration.
+
+    Removing restores the function at once when O1 is active (to the cast list's wrapper if
+    the name is also listed, else to the original) and keeps later sessions from patching
+    it. It does nothing when the registration was already removed or replaced by a newer
+    registration of the same name.
+    """
+
+    __slots__ = ("_record",)
+
+    def __init__(self, record: tuple[Any, str, Policy]) -> None:
+        self._record = record
+
+    def __repr__(self) -> str:
+        owner, name, policy = self._record
+        return f"<ampx.Registration {_owner_label(owner)}.{name}: {policy.value}>"
+
+    def remove(self) -> None:
+        """Undo the registration (idempotent)."""
+        owner, name, _ = self._record
+        key = (id(owner), name)
+        if _USER_REGISTRY.get(key) is not self._record:
+            return
+        if _ACTIVE is not None:
+            _ACTIVE.unregister(owner, name)
+        del _USER_REGISTRY[key]
 
 
-def _register(module: Any, name: str, policy: Policy) -> None:
+def _register(api: str, module: Any, name: str, policy: Policy) -> Registration:
+    if not isinstance(name, str):
+        raise TypeError(f"ampx.{api}: name must be a str, got {type(name).__name__}")
     if not hasattr(module, name):
-        raise ValueError(f"No function named {name} in module {module}.")
-    _USER_REGISTRY[(id(module), name)] = (module, name, policy)
+        raise ValueError(f"No function named {name} in module {module}.")  # apex's message
+    label = f"{_owner_label(module)}.{name}"
+    raw = _raw_attribute(module, name)
+    if not callable(raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw):
+        raise TypeError(f"ampx.{api}: {label} is not a function (got {type(raw).__name__})")
+    probe = PatchSet()  # can the attribute be replaced at all? (int.__add__ cannot)
+    try:
+        probe.apply(module, name, raw)
+    except (TypeError, AttributeError) as exc:
+        raise TypeError(
+            f"ampx.{api}: cannot patch {label}: {exc}. Built-in and extension types can't "
+            "be patched; register a function of a module or a method of a Python class."
+        ) from None
+    finally:
+        probe.restore()
+    record = (module, name, policy)
     if _ACTIVE is not None:
         _ACTIVE.register(module, name, policy)
+    _USER_REGISTRY[(id(module), name)] = record
+    return Registration(record)
 
 
-def register_half_function(module: Any, name: str) -> None:
+def register_half_function(module: Any, name: str) -> Registration:
     """Run `module.name` in the session's half dtype under O1.
 
     Works before or after `initialize` (apex required before), survives re-initialize, and
     replaces a built-in list entry of the same name (no double wrapping).
 
     Args:
-        module: The object holding the function (a module or a class).
+        module: The object holding the function (a module or a Python class).
         name: The attribute name.
+
+    Returns:
+        A `Registration`; its `remove()` undoes the registration.
 
     Raises:
         ValueError: If `module` has no attribute `name`.
+        TypeError: If the attribute is not a function or cannot be replaced (a method of a
+            built-in type such as `int`).
     """
-    _register(module, name, Policy.LOWER)
+    return _register("register_half_function", module, name, Policy.LOWER)
 
 
-def register_float_function(module: Any, name: str) -> None:
+def register_float_function(module: Any, name: str) -> Registration:
     """Run `module.name` in float32 under O1 (see `register_half_function`)."""
-    _register(module, name, Policy.FP32)
+    return _register("register_float_function", module, name, Policy.FP32)
 
 
-def register_promote_function(module: Any, name: str) -> None:
+def register_promote_function(module: Any, name: str) -> Registration:
     """Cast mixed inputs of `module.name` to the widest type under O1."""
-    _register(module, name, Policy.PROMOTE)
+    return _register("register_promote_function", module, name, Policy.PROMOTE)
+
+
+def _current_caster() -> Caster | None:
+    return None if _ACTIVE is None else _ACTIVE.caster
 
 
 def _decorator(policy: Policy) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
-        label = getattr(fn, "__qualname__", repr(fn))
-        # (caster, converter) of the session that last called it: built once per session.
-        memo: list[Any] = [None, None]
-
-        def apply_policy(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-            patches = _ACTIVE
-            if patches is None or _CASTS_DISABLED.get():
-                return wrapped(*args, **kwargs)
-            caster = patches.caster
-            if memo[0] is not caster:
-                memo[0], memo[1] = caster, caster.converter(policy, label)
-            converted = memo[1](args, kwargs)
-            if converted is None:
-                return wrapped(*args, **kwargs)
-            return wrapped(*converted[0], **converted[1])
-
-        return wrapt.FunctionWrapper(fn, apply_policy)  # type: ignore[return-value]
+        return decorator_wrapper(fn, policy, _current_caster)  # type: ignore[return-value]
 
     return decorate
 

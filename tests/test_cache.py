@@ -151,3 +151,46 @@ def test_only_leaves_and_parameters_are_cached(requires_grad: bool) -> None:
     assert ns_mm.dtype == torch.bfloat16 and len(cache) == 0
     torch.mm(leaf, torch.rand(3, 1))
     assert len(cache) == (1 if requires_grad else 0)  # a leaf that requires grad: a weight
+
+
+def test_write_through_data_between_no_grad_forwards_is_never_served_stale(
+        half_dtype: torch.dtype) -> None:
+    """EMA swaps / WGAN clipping: `param.data` has its own version counter."""
+    lin = nn.Linear(4, 4)
+    _session(lin, half_dtype)
+    x = torch.rand(2, 4)
+    with torch.no_grad():
+        first = lin(x)
+        lin.weight.data.mul_(0.0)
+        lin.bias.data.copy_(torch.zeros(4))
+        assert torch.count_nonzero(lin(x)) == 0
+        assert torch.count_nonzero(first) > 0
+
+
+def test_long_lived_data_alias_keeps_the_parameter_out_of_the_cache(
+        half_dtype: torch.dtype) -> None:
+    lin = nn.Linear(4, 4, bias=False)
+    _session(lin, half_dtype)
+    cache = _cache()
+    alias = lin.weight.data  # held, written later
+    x = torch.rand(2, 4)
+    with torch.no_grad():
+        lin(x)
+        alias.zero_()
+        assert torch.count_nonzero(lin(x)) == 0
+    assert len(cache) == 0
+    del alias  # gone: cached again
+    with torch.no_grad():
+        lin(x)
+    assert len(cache) == 1
+
+
+def test_fake_tensors_are_never_cached() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _session(nn.Linear(2, 2), torch.bfloat16)
+    cache = _cache()
+    with FakeTensorMode() as mode:
+        lin = nn.Linear(4, 4)
+        out = lin(mode.from_tensor(torch.rand(2, 4)))
+    assert out.dtype == torch.bfloat16 and len(cache) == 0

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-import wrapt
 from torch import nn
 
 import ampx
 from ampx import patch
+from ampx.lists import Policy
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -184,7 +184,8 @@ def test_registration_overrides_list_entry_without_double_wrapping() -> None:
     ampx.initialize(nn.Linear(2, 2), opt_level="O1", verbosity=0)
     ampx.register_float_function(torch, "matmul")
     wrapper = vars(torch)["matmul"]
-    assert isinstance(wrapper, wrapt.FunctionWrapper) and wrapper.__wrapped__ is original
+    assert isinstance(wrapper, types.FunctionType) and wrapper.__wrapped__ is original
+    assert wrapper.__ampx_policy__ is Policy.FP32
     h = torch.rand(2, 2, dtype=torch.float16)
     assert torch.matmul(h, h).dtype == torch.float32
     ampx.restore()
@@ -305,12 +306,20 @@ def test_disable_casts_is_task_local() -> None:
 
 @pytest.mark.parametrize("level", ["O0", "O2", "O3", None])
 def test_disable_casts_is_a_noop_without_o1(level: str | None) -> None:
+    model = nn.Linear(2, 2)
     if level is not None:
-        ampx.initialize(nn.Linear(2, 2), opt_level=level, verbosity=0)
+        model = ampx.initialize(model, opt_level=level, verbosity=0)
+    x = torch.rand(3, 2)
+    before = _snapshot()
+    outside = model(x)
     with ampx.disable_casts():
-        pass
+        inside = model(x)  # O2/O3 model casts are not O1 casts: unchanged
+        assert not patch.casts_enabled()
     with ampx.amp.disable_casts():
-        pass
+        apex_inside = model(x)
+    assert _same(before, _snapshot())
+    for out in (inside, apex_inside):
+        assert out.dtype == outside.dtype and torch.equal(out, outside)
 
 
 # -- restore and re-initialize ----------------------------------------------------------------
@@ -377,8 +386,9 @@ def test_failed_activation_keeps_previous_patches(monkeypatch: pytest.MonkeyPatc
 
 def _count_wrappers() -> int:
     gc.collect()
-    proxy = wrapt.ObjectProxy  # type(o), not isinstance: no __class__ lookups
-    return sum(1 for o in gc.get_objects() if issubclass(type(o), proxy))
+    function = types.FunctionType  # type(o), not isinstance: no __class__ lookups
+    return sum(1 for o in gc.get_objects()
+               if type(o) is function and "__ampx_policy__" in o.__dict__)
 
 
 def _rss_bytes() -> int:
@@ -415,3 +425,61 @@ def test_thousand_initialize_restore_cycles_do_not_leak() -> None:
         gc.enable()
     assert _count_wrappers() == wrappers
     assert _rss_bytes() - rss < 8 * 2**20
+
+
+# -- registration validation and undo; wrappers after their session ------------------------
+
+def test_register_on_a_builtin_type_is_refused_cleanly() -> None:
+    before = dict(patch._USER_REGISTRY)
+    with pytest.raises(TypeError, match=r"register_half_function: cannot patch int.__add__"):
+        ampx.register_half_function(int, "__add__")
+    with pytest.raises(TypeError, match="not a function"):
+        ampx.register_float_function(torch, "float32")
+    assert patch._USER_REGISTRY == before
+    ampx.initialize(nn.Linear(2, 2), opt_level="O1", verbosity=0)  # later sessions still work
+    assert torch.mm(torch.rand(2, 2), torch.rand(2, 2)).dtype == torch.float16
+
+
+def test_a_failed_setattr_records_nothing() -> None:
+    class Frozen:
+        def __setattr__(self, name: str, value: Any) -> None:
+            raise AttributeError("read-only")
+
+    patches = patch.PatchSet()
+    with pytest.raises(AttributeError):
+        patches.apply(Frozen(), "f", len)
+    assert len(patches) == 0
+    patches.restore()  # nothing to put back, no error
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_registration_handle_undoes_it(when: str) -> None:
+    sigmoid, matmul = vars(torch)["sigmoid"], vars(torch)["matmul"]
+    if when == "during":
+        ampx.initialize(nn.Linear(2, 2), opt_level="O1", verbosity=0)
+    handles = [ampx.register_float_function(torch, "sigmoid"),
+               ampx.register_float_function(torch, "matmul")]
+    if when == "before":
+        ampx.initialize(nn.Linear(2, 2), opt_level="O1", verbosity=0)
+    h = torch.rand(2, 2, dtype=torch.float16)
+    assert torch.sigmoid(h).dtype == torch.float32 and torch.matmul(h, h).dtype == torch.float32
+    for handle in handles:
+        handle.remove()
+        handle.remove()  # idempotent
+    assert vars(torch)["sigmoid"] is sigmoid  # not listed: the original is back
+    assert torch.matmul(h.float(), h.float()).dtype == torch.float16  # listed: the list rules
+    ampx.restore()
+    ampx.initialize(nn.Linear(2, 2), opt_level="O1", verbosity=0)
+    assert vars(torch)["sigmoid"] is sigmoid and vars(torch)["matmul"] is not matmul
+
+
+def test_captured_wrappers_pass_through_after_restore() -> None:
+    ampx.initialize(nn.Linear(2, 2), opt_level="O1", verbosity=0)
+    linear, matmul, softmax = F.linear, torch.Tensor.__matmul__, torch.Tensor.softmax
+    x, w = torch.rand(2, 3), torch.rand(4, 3)
+    assert linear(x, w).dtype == torch.float16
+    ampx.restore()
+    assert linear(x, w).dtype == torch.float32
+    assert matmul(x, w.t()).dtype == torch.float32
+    assert softmax(x.half(), -1).dtype == torch.float16
+    assert linear.__wrapped__ is F.linear

@@ -1,0 +1,341 @@
+"""O1 (and O2) under torch.compile: same dtypes as eager O1, no graph breaks, fullgraph.
+
+Small models, few compiles: compiled functions are shared through module-scoped fixtures.
+The dtype check compares, op by op, the aten ops eager O1 runs (a dispatch-mode trace) with the
+ops of the compiled graph (backend=eager: the same trace of the dynamo graph running;
+aot_eager: the forward graph handed to the compiler, with each node's dtype). Inductor runs a
+representative subset and is compared with eager O1 numerically.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+import torch._inductor.config
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ampx
+from ampx import patch
+from ampx.policies import LOCAL
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softmax(self.b(self.norm(F.gelu(self.a(x)))), -1)
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)
+        self.gn, self.head = nn.GroupNorm(2, 8), nn.Linear(8 * 6 * 6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gn(torch.relu(self.bn(self.conv(x)))).flatten(1))
+
+
+class Attention(nn.Module):
+    """Embedding, nn.MultiheadAttention, a residual, LayerNorm, sdpa, `@` and Tensor.softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mha = nn.Embedding(50, 16), nn.MultiheadAttention(16, 2, batch_first=True)
+        self.norm, self.qkv, self.out = nn.LayerNorm(16), nn.Linear(16, 48), nn.Linear(16, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        a, _ = self.mha(x, x, x, need_weights=False)
+        x = self.norm(x + a)
+        q, k, v = self.qkv(x).chunk(3, -1)
+        y = self.out(F.scaled_dot_product_attention(q, k, v))
+        return (y @ y.transpose(1, 2)).softmax(-1)
+
+
+ZOO: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
+    "mlp": (MLP, lambda: torch.randn(4, 16)),
+    "conv": (ConvNet, lambda: torch.randn(2, 3, 8, 8)),
+    "attention": (Attention, lambda: torch.randint(0, 50, (2, 5))),
+}
+HALVES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+# Ops whose output dtype says nothing about the policy (views, copies, factories).
+_IGNORED = {"t", "view", "_unsafe_view", "transpose", "permute", "expand", "reshape", "unsqueeze",
+            "squeeze", "clone", "detach", "alias", "_to_copy", "copy", "empty", "zeros", "ones",
+            "select", "slice", "split", "split_with_sizes", "unbind", "as_strided", "lift_fresh",
+            "lift_fresh_copy", "empty_like", "zeros_like", "fill", "new_empty", "arange",
+            "scalar_tensor", "full", "_unsafe_index", "empty_strided"}
+
+# Spellings of one op in eager dispatch and in a functionalized graph.
+_SAME_OP = {"_native_batch_norm_legit": "native_batch_norm"}
+
+Trace = collections.Counter
+
+
+def _key(op: Any, value: Any) -> tuple[str, torch.dtype] | None:
+    name = op._schema.name.split("::")[-1].removesuffix("_functional").rstrip("_")
+    name = _SAME_OP.get(name, name)
+    while isinstance(value, (tuple, list)) and value:
+        value = value[0]
+    if name in _IGNORED or not isinstance(value, torch.Tensor):
+        return None
+    return name, value.dtype
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, trace: Trace) -> None:
+        super().__init__()
+        self.trace = trace
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        key = _key(func, out)
+        if key is not None:
+            self.trace[key] += 1
+        return out
+
+
+def _eager_trace(model: nn.Module, x: torch.Tensor) -> Trace:
+    trace: Trace = collections.Counter()
+    with _Recorder(trace):
+        model(x)
+    return trace
+
+
+def _traced_backend(trace: Trace, kind: str) -> Any:
+    """backend=eager that runs the dynamo graph under the recorder, or aot_eager that reads
+    the forward graph's node dtypes."""
+    if kind == "eager":
+        def eager_backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+            def run(*args: Any) -> Any:
+                with _Recorder(trace):
+                    return gm(*args)
+            return run
+        return eager_backend
+
+    def forward_compiler(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+                key = _key(node.target, node.meta.get("val"))
+                if key is not None:
+                    trace[key] += 1
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=forward_compiler)
+
+
+def _o1(half: torch.dtype) -> None:
+    patch.activate(patch.CastConfig(dtype=half, device_types=frozenset({"cpu"})))
+
+
+@pytest.mark.parametrize("kind", ["eager", "aot_eager"])
+@pytest.mark.parametrize("half", list(HALVES.values()), ids=list(HALVES))
+@pytest.mark.parametrize("name", list(ZOO))
+def test_compiled_graph_has_eager_o1_dtypes(name: str, half: torch.dtype, kind: str) -> None:
+    make, data = ZOO[name]
+    model, x = make(), data()
+    _o1(half)
+    expected = _eager_trace(model, x)
+    assert (("addmm", half) in expected or ("convolution", half) in expected
+            or ("mm", half) in expected), expected  # the trace sees O1's casts
+    seen: Trace = collections.Counter()
+    compiled = torch.compile(model, backend=_traced_backend(seen, kind), fullgraph=True)
+    out = compiled(x)
+    assert dict(seen) == dict(expected)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_no_graph_breaks(name: str) -> None:
+    make, data = ZOO[name]
+    _o1(torch.bfloat16 if name == "conv" else torch.float16)
+    explained = torch._dynamo.explain(make())(data())
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("half", list(HALVES.values()), ids=list(HALVES))
+def test_inductor_matches_eager_o1(half: torch.dtype) -> None:
+    # Representative subset (inductor's C++ compile is slow on CPU): the MLP (linear, gelu,
+    # layer_norm, softmax). Closer to eager O1 than eager O1 is to fp32: the casts are there.
+    make, data = ZOO["mlp"]
+    model, x = make(), data()
+    fp32 = model(x)
+    _o1(half)
+    expected = model(x)
+    with torch._inductor.config.patch(compile_threads=1):  # no compile-worker pool
+        out = torch.compile(model, backend="inductor", fullgraph=True)(x)
+    assert out.dtype == expected.dtype
+    gap = (out.float() - expected.float()).abs().max().item()
+    assert gap <= 0.1 * (fp32.float() - expected.float()).abs().max().item()
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+           y: torch.Tensor) -> list[float]:
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x).float(), y)
+        with ampx.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+# dynamo reads .grad of a non-leaf output while tracing O2's output-cast hook (torch-internal).
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("half", list(HALVES.values()), ids=list(HALVES))
+def test_compiled_training_step_matches_eager(level: str, half: torch.dtype) -> None:
+    """Model compiled (aot_eager: forward and backward graphs), scale_loss and step eager."""
+    base = MLP()
+    eager_model, compiled_model = copy.deepcopy(base), copy.deepcopy(base)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager_model, compiled_model)]
+    models, opts = ampx.initialize([eager_model, compiled_model], opts, opt_level=level,
+                                   dtype=half, verbosity=0)
+    x, y = torch.randn(4, 16), torch.rand(4, 8)
+    expected = _train(models[0], opts[0], x, y)
+    compiled = torch.compile(models[1], backend="aot_eager", fullgraph=True)
+    got = _train(compiled, opts[1], x, y)  # type: ignore[arg-type]
+    tol = 1e-2 if half is torch.bfloat16 else 1e-3
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    assert expected[-1] < expected[0]
+
+
+def _with_region(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    y = F.linear(x, w)
+    with ampx.disable_casts():
+        z = F.linear(x, w)  # fp32: casts off
+        s = torch.softmax(y, -1)  # half in, half out
+        m = torch.mm(z, w)
+    return y, z, s, m, torch.softmax(y, -1)
+
+
+def _tensor_method_in_region(y: torch.Tensor) -> torch.Tensor:
+    with ampx.disable_casts():
+        return y.softmax(-1)
+
+
+def test_disable_casts_inside_a_compiled_function() -> None:
+    """torch.* and F.* functions honour a region inside the compiled function, fullgraph."""
+    backend = "aot_eager"
+    _o1(torch.bfloat16)
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    expected = _with_region(x, w)
+    assert [t.dtype for t in expected] == [torch.bfloat16, torch.float32, torch.bfloat16,
+                                           torch.float32, torch.float32]
+    got = torch.compile(_with_region, backend=backend, fullgraph=True)(x, w)
+    assert [t.dtype for t in got] == [t.dtype for t in expected]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert LOCAL.depth == 0
+
+
+def test_compiled_region_does_not_cover_tensor_methods() -> None:
+    """The documented limit (docs/compile.md): Tensor methods run opaquely while compiling,
+    so they keep their O1 cast inside a compiled disable_casts() region."""
+    _o1(torch.bfloat16)
+    y = torch.randn(2, 3).bfloat16()
+    assert _tensor_method_in_region(y).dtype == torch.bfloat16
+    compiled = torch.compile(_tensor_method_in_region, backend="aot_eager", fullgraph=True)
+    assert compiled(y).dtype == torch.float32
+    # backend="eager" runs the dynamo graph as Python that names torch.softmax, i.e. the
+    # live wrapper, outside the (traced, not executed) region.
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    got = torch.compile(_with_region, backend="eager", fullgraph=True)(x, w)
+    assert got[1].dtype == torch.float32 and got[2].dtype == torch.float32
+
+
+def test_compiled_code_follows_session_changes() -> None:
+    """Compiled during a session: fp32 again after restore, recompiled for the next one."""
+    model, x = MLP(), torch.randn(4, 16)
+    compiled = torch.compile(model.a, backend="aot_eager", fullgraph=True)
+    _o1(torch.bfloat16)
+    assert compiled(x).dtype == torch.bfloat16
+    ampx.restore()
+    assert compiled(x).dtype == torch.float32
+    _o1(torch.float16)
+    assert compiled(x).dtype == torch.float16
+
+
+_POISONING = textwrap.dedent("""
+    import torch
+    from torch import nn
+    import ampx
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    ampx.initialize(nn.Linear(2, 2), opt_level="O1", dtype="bf16", verbosity=0)
+    captured = torch.nn.functional.linear  # a module that did `from ... import linear`
+    import torch._inductor.compile_fx  # inductor's first import (its tables), in the session
+    ampx.restore()
+    x = torch.randn(8, 16)
+    eager = model(x)
+    out = torch.compile(model, backend="inductor")(x)
+    print("diff", (out - eager).abs().max().item())
+    print("captured", captured(x, model[0].weight).dtype)
+    f = torch.compile(lambda a: torch.matmul(a, a), backend="eager", fullgraph=True)
+    print("matmul", f(torch.randn(3, 3)).dtype)
+""")
+
+
+def test_no_process_wide_damage_after_restore() -> None:
+    """Inductor first imported inside an O1 session; then a plain fp32 model compiles right."""
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no compile-worker pool
+    run = subprocess.run([sys.executable, "-c", _POISONING], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in run.stdout.splitlines())
+    assert float(lines["diff"]) < 1e-5
+    assert lines["captured"] == "torch.float32"
+    assert lines["matmul"] == "torch.float32"
+
+
+def test_disable_casts_around_a_compiled_call_covers_everything() -> None:
+    """Entered outside the compiled call, the region is real while tracing: Tensor methods
+    and functions are left alone. The function's F.linear reads the disable depth, which
+    dynamo guards, so the same function compiles again with casts outside."""
+    _o1(torch.bfloat16)
+    compiled = torch.compile(_mixed, backend="aot_eager", fullgraph=True)
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    with ampx.disable_casts():
+        inside = compiled(x, w)
+    outside = compiled(x, w)
+    assert [t.dtype for t in inside] == [torch.float32] * 3
+    assert [t.dtype for t in outside] == [torch.bfloat16, torch.bfloat16, torch.float32]
+
+
+def _mixed(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    y = x @ w  # Tensor.__matmul__: lower
+    return y, F.linear(x, w), y.softmax(-1)  # F.linear: lower; Tensor.softmax: fp32
+
+
+def test_dynamo_rules_rebuilt_during_a_session_are_dropped() -> None:
+    """torch clears dynamo's rule map at times (init_process_group); rebuilt while patched,
+    it would make the originals untraceable after restore."""
+    from torch._dynamo import trace_rules
+
+    _o1(torch.bfloat16)
+    trace_rules.clear_lru_cache()  # what init_process_group does
+    trace_rules.get_torch_obj_rule_map()  # rebuilt with the session's wrappers
+    ampx.restore()
+    model, x = MLP(), torch.randn(4, 16)
+    out = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(out, model(x))
