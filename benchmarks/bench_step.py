@@ -43,9 +43,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_patching import mlp  # noqa: E402
+
 import ampx  # noqa: E402
 from ampx import patch  # noqa: E402
-from bench_patching import mlp  # noqa: E402
 
 CONFIGS = ("fp32", "autocast", "O1", "O2")
 
