@@ -4,9 +4,8 @@ apex ran `optimizer.step()` with its casts disabled. ampx goes further: for the 
 for-loop optimizer's step (one that calls Tensor methods per parameter), torch's original
 functions are put back, so the step pays no per-op cost at all; the wrappers are reinstated
 after it. Foreach and fused optimizers call no patched function, so nothing is swapped for
-them. Measured (benchmarks/bench_step.py): swapping the ~280 patched attributes out and in
-costs less than the ~7 wrapper entries per parameter of a for-loop AdamW step it removes on
-models with more than a few dozen parameter tensors.
+them. The swap touches every patched attribute twice per step, a fixed cost independent of
+the number of parameters (benchmarks/bench_step.py shows `optimizer.step()` alone).
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ run (fp32, autocast and O2 never pass through a wrapper). The table shows per co
 median step time and its spread (25th-75th percentile), and the O1/autocast and O2/autocast
 ratios as the median of the per-round ratios (paired rounds cancel most of the drift of a
 shared machine) with their spread. `opt step` is the median time of `optimizer.step()` alone.
-The load average (`os.getloadavg()`) is printed before and after.
+The load average (`os.getloadavg()`) is printed before and after. OpenMP's threads sleep
+instead of spinning while they wait (`OMP_WAIT_POLICY=PASSIVE` unless set otherwise): on a
+shared machine spinning threads of 2-thread runs otherwise make every step 100x slower.
 
 Run::
 
@@ -37,9 +39,11 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP
+
+import torch  # noqa: E402
 import torch.nn.functional as F
-from torch import nn
+from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -172,7 +176,8 @@ def main() -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     before = os.getloadavg()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
-          f"AdamW, {args.reps} interleaved rounds; load average before: "
+          f"AdamW, {args.reps} interleaved rounds, OMP_WAIT_POLICY="
+          f"{os.environ['OMP_WAIT_POLICY']}; load average before: "
           + " ".join(f"{v:.2f}" for v in before))
     print()
     print("| model | fp32 ms | torch.autocast ms | ampx O1 ms | ampx O2 ms | O1/autocast "
