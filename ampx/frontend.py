@@ -16,6 +16,7 @@ import torch
 
 from . import patch
 from .checkpoint import CheckpointError
+from .compat import apex_stash
 from .opt_levels import OptionError, forced_options, set_forced_options
 from .optimizer import amp_state_of, master_params
 from .scaler import LossScaler
@@ -191,6 +192,7 @@ def restore() -> None:
     """
     global _DEFAULT
     patch.deactivate()
+    apex_stash.detach_all()
     _DEFAULT = None
 
 

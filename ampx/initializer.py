@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import patch
+from .compat import apex_stash
 from .masters import optimizer_params, recast_state
 from .model import MasterMap, ModelCast, cast_model, check_models, device_types_of
 from .opt_levels import OptionError
@@ -132,6 +133,7 @@ def prepare(session: Any, inputs: Inputs, policy: Policy) -> Prepared:
             if props.cast_model_type is not None:
                 recast_state(opt)
             attach(opt, session, masters, policy)
+            apex_stash.attach(opt)  # apex's private names (_amp_stash, ...) as views
         device = _first_device(inputs)
         for scaler in session.scalers:
             scaler.to_(device)
