@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from . import suspend
 from .model import MasterMap
 from .optimizer import ATTR, OptimizerAmpState, Policy, amp_state_of
 
@@ -81,6 +82,7 @@ class _ZeroGrad:
         self.original = original  # the instance attribute it replaced, or None
 
     def __call__(self, set_to_none: bool = True) -> None:
+        suspend.resume()  # a step that raised left O1's patches swapped out
         optimizer = self._ref()
         if optimizer is None:
             return
@@ -150,6 +152,7 @@ def _standin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+    suspend.resume()  # a previous step that raised left O1's patches swapped out
     state = amp_state_of(optimizer)
     if state is None:
         return None
@@ -159,6 +162,8 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
     decision = state.decide_step(optimizer, closure)
     if decision.skip:
         return (_standin(optimizer), *args[1:]), kwargs
+    if suspend.for_loop(optimizer):
+        suspend.suspend()  # the step's per-parameter ops run on torch's originals
     if decision.flag is not None:
         optimizer.grad_scale = None  # type: ignore[attr-defined]  # already unscaled
         optimizer.found_inf = decision.flag.reshape(())  # type: ignore[attr-defined]
@@ -166,9 +171,12 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
 
 
 def _step_post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    state = amp_state_of(optimizer)
-    if state is None:
-        return
-    for name in _FUSED_ATTRS:
-        vars(optimizer).pop(name, None)
-    state.after_step(optimizer)
+    try:
+        state = amp_state_of(optimizer)
+        if state is None:
+            return
+        for name in _FUSED_ATTRS:
+            vars(optimizer).pop(name, None)
+        state.after_step(optimizer)
+    finally:
+        suspend.resume()
