@@ -1,7 +1,8 @@
 """Generators of the documentation pages that are computed from the code (docs/opt-levels.md).
 
 `python -m ampx._docs opt-levels > docs/opt-levels.md` regenerates a page (`cast-lists` prints
-docs/cast-lists.md); tests check that the committed pages match.
+docs/cast-lists.md, `module-map` the module map in docs/internals.md); tests check that the
+committed pages match.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def opt_levels_markdown() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m ampx._docs {opt-levels,cast-lists}`: print the generated page."""
+    """`python -m ampx._docs {opt-levels,cast-lists,module-map}`: print the generated text."""
     args = sys.argv[1:] if argv is None else argv
     if args == ["opt-levels"]:
         sys.stdout.write(opt_levels_markdown())
@@ -153,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stdout.write(lists.markdown())
         return 0
-    sys.stderr.write("usage: python -m ampx._docs {opt-levels,cast-lists}\n")
+    if args == ["module-map"]:
+        from . import _module_map
+
+        sys.stdout.write(_module_map.module_map_markdown())
+        return 0
+    sys.stderr.write("usage: python -m ampx._docs {opt-levels,cast-lists,module-map}\n")
     return 2
 
 

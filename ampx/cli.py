@@ -349,20 +349,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 # -- the subcommands -----------------------------------------------------------------------------
 
 def _forced_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    forced: dict[str, Any] = {}
-    if args.disable:
-        forced["enabled"] = False
-    if args.opt_level is not None:
-        forced["opt_level"] = args.opt_level
-    if args.dtype is not None:
-        forced["dtype"] = _DTYPE_NAMES[args.dtype]
-    if args.explain_overflows:
-        forced["detect_overflow"] = "forward"
-    for key in ("loss_scale", "keep_batchnorm_fp32", "master_weights", "min_loss_scale",
-                "max_loss_scale"):
-        value = getattr(args, key)
-        if value is not None:
-            forced[key] = value
+    forced: dict[str, Any] = {key: getattr(args, key) for key in (
+        "opt_level", "loss_scale", "keep_batchnorm_fp32", "master_weights", "min_loss_scale",
+        "max_loss_scale") if getattr(args, key) is not None}
+    forced.update({"enabled": False} if args.disable else {})
+    forced.update({"dtype": _DTYPE_NAMES[args.dtype]} if args.dtype is not None else {})
+    forced.update({"detect_overflow": "forward"} if args.explain_overflows else {})
     return forced
 
 

@@ -15,6 +15,7 @@ import sys
 from typing import Any, Callable, TypeVar
 
 import torch
+import wrapt
 
 from .casting import WeightCastCache
 from .lists import ListEntry, Policy, owner_object, resolve
@@ -53,12 +54,13 @@ def casts_enabled() -> bool:
 
 
 def _raw_attribute(owner: Any, name: str) -> Any:
-    """`owner.name` as stored: the descriptor found on the class's MRO, or getattr's value."""
-    if isinstance(owner, type):
-        for klass in owner.__mro__:
-            if name in vars(klass):
-                return vars(klass)[name]
-    return getattr(owner, name)
+    """`owner.name` as stored: the descriptor found on the class's MRO, or getattr's value.
+
+    wrapt's patch resolution does the lookup (a class attribute comes back as stored, so a
+    `staticmethod` stays one and an inherited method is found on its base), the same rule
+    wrapt uses for its own monkey patches.
+    """
+    return wrapt.resolve_path(owner, name)[2]
 
 
 class PatchSet:
@@ -76,6 +78,10 @@ class PatchSet:
 
     def __len__(self) -> int:
         return len(self._records)
+
+    def records(self) -> list[tuple[Any, str, Any, Any]]:
+        """(owner, name, own value or `_MISSING`, raw original) of every replaced attribute."""
+        return list(self._records.values())
 
     def original(self, owner: Any, name: str) -> Any:
         """The raw attribute as it was before this set first replaced it."""

@@ -37,7 +37,7 @@ def suspend() -> None:
     _SUSPENDED.append((o1, swapped))
     # An inherited original is set on the owner (not deleted), so that `ampx.restore()` while
     # suspended (after a step that raised) still finds each attribute it deletes.
-    for owner, name, own, raw in list(o1.patches._records.values()):
+    for owner, name, own, raw in o1.patches.records():
         swapped.append((owner, name, vars(owner)[name]))
         setattr(owner, name, raw if own is patch._MISSING else own)
 

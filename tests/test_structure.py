@@ -1,0 +1,81 @@
+"""The package's shape: small modules with one stated job, short functions, no import cycle.
+
+These are the architecture rules in docs/internals.md, checked on the source (AST), so a
+change that breaks one fails here rather than in review.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from ampx._module_map import find_cycles, import_graph, module_map_markdown
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ampx"
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 60
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "csrc" not in p.parts)
+
+
+def _name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_name)
+def test_module_is_small_and_says_its_job(path: Path) -> None:
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_MODULE_LINES, f"{_name(path)} has {lines} lines"
+    doc = ast.get_docstring(_tree(path))
+    assert doc and len(doc.split()) >= 3, f"{_name(path)} has no docstring stating its job"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_name)
+def test_functions_are_short(path: Path) -> None:
+    long = [
+        f"{node.name} ({node.end_lineno - node.lineno + 1} lines, line {node.lineno})"
+        for node in ast.walk(_tree(path))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, f"{_name(path)}: {long}"
+
+
+def _is_package(module: str) -> bool:
+    return (PACKAGE.parent / module.replace(".", "/") / "__init__.py").exists()
+
+
+def test_no_import_cycle() -> None:
+    # A package's __init__ re-exporting its submodules is not a design cycle; any cycle
+    # through a plain module is.
+    cycles = [c for c in find_cycles(import_graph()) if not all(_is_package(m) for m in c[:-1])]
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    """The checker itself is not vacuous."""
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+MAP_START = "<!-- module-map:start (python -m ampx._docs module-map) -->"
+MAP_END = "<!-- module-map:end -->"
+
+
+def test_internals_module_map_is_the_real_import_graph() -> None:
+    text = (PACKAGE.parent / "docs" / "internals.md").read_text(encoding="utf-8")
+    assert MAP_START in text and MAP_END in text, "docs/internals.md lost its module map"
+    committed = text.split(MAP_START, 1)[1].split(MAP_END, 1)[0].strip()
+    assert committed == module_map_markdown().strip(), (
+        "docs/internals.md's module map is stale: regenerate it with "
+        "`python -m ampx._docs module-map` and paste it between the markers")
