@@ -1037,6 +1037,7 @@ def test_convert_syncbn_model() -> None:
 
 
 TWO_RANKS = textwrap.dedent("""
+    import gc
     import sys
     import torch
     import torch.distributed as dist
@@ -1083,6 +1084,12 @@ TWO_RANKS = textwrap.dedent("""
         means = [torch.zeros(4), torch.zeros(4)]
         dist.all_gather(means, bn.running_mean.clone())
         assert not torch.equal(means[0], means[1])
+        # Free the DDP reducers and autograd's collective handles while the group lives, and
+        # let both ranks finish before it goes: gloo work still referenced at interpreter exit
+        # aborts the process ("terminate called without an active exception").
+        del ddp, ddp_bn, sync
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
     if __name__ == "__main__":

@@ -71,7 +71,44 @@ def rms_norm(x: torch.Tensor, shape: torch.Size, weight: torch.Tensor | None, ep
     return out.to(out_dtype)
 
 
-class FusedLayerNorm(nn.Module):
+class _TrailingNorm(nn.Module):
+    """What both norms share: apex's constructor arguments, parameters and repr.
+
+    `bias` says whether the affine form has a bias (layer norm) or only a weight (RMS norm).
+    """
+
+    def __init__(self, normalized_shape: Shape, eps: float, elementwise_affine: bool,
+                 memory_efficient: bool, *, bias: bool) -> None:
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape))
+        else:
+            self.register_parameter("weight", None)
+        if elementwise_affine and bias:
+            self.bias: nn.Parameter | None = nn.Parameter(torch.empty(self.normalized_shape))
+        elif bias:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Weight to ones, bias (if any) to zeros, when affine."""
+        if self.elementwise_affine:
+            nn.init.ones_(self.weight)
+            bias = getattr(self, "bias", None)
+            if bias is not None:
+                nn.init.zeros_(bias)
+
+    def extra_repr(self) -> str:
+        """apex's repr: shape, eps and elementwise_affine."""
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}")
+
+
+class FusedLayerNorm(_TrailingNorm):
     """Layer normalization over the last ``len(normalized_shape)`` dimensions (apex's API).
 
     Args:
@@ -85,38 +122,15 @@ class FusedLayerNorm(nn.Module):
 
     def __init__(self, normalized_shape: Shape, eps: float = 1e-5,
                  elementwise_affine: bool = True, memory_efficient: bool = False) -> None:
-        super().__init__()
-        self.normalized_shape = _shape(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.empty(self.normalized_shape))
-            self.bias: nn.Parameter | None = nn.Parameter(torch.empty(self.normalized_shape))
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Weight to ones, bias to zeros (when affine)."""
-        if self.elementwise_affine:
-            nn.init.ones_(self.weight)
-            if self.bias is not None:
-                nn.init.zeros_(self.bias)
+        super().__init__(normalized_shape, eps, elementwise_affine, memory_efficient, bias=True)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Normalize `input`; the result has `input`'s dtype."""
         return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps,
                           input.dtype)
 
-    def extra_repr(self) -> str:
-        """apex's repr: shape, eps and elementwise_affine."""
-        return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"elementwise_affine={self.elementwise_affine}")
 
-
-class FusedRMSNorm(nn.Module):
+class FusedRMSNorm(_TrailingNorm):
     """RMS normalization ``x / RMS[x] * weight`` over the trailing shape (apex's API).
 
     Args:
@@ -130,30 +144,11 @@ class FusedRMSNorm(nn.Module):
 
     def __init__(self, normalized_shape: Shape, eps: float = 1e-5,
                  elementwise_affine: bool = True, memory_efficient: bool = False) -> None:
-        super().__init__()
-        self.normalized_shape = _shape(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.empty(self.normalized_shape))
-        else:
-            self.register_parameter("weight", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Weight to ones (when affine)."""
-        if self.elementwise_affine:
-            nn.init.ones_(self.weight)
+        super().__init__(normalized_shape, eps, elementwise_affine, memory_efficient, bias=False)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Normalize `input`; the result has `input`'s dtype."""
         return rms_norm(input, self.normalized_shape, self.weight, self.eps, input.dtype)
-
-    def extra_repr(self) -> str:
-        """apex's repr: shape, eps and elementwise_affine."""
-        return (f"{self.normalized_shape}, eps={self.eps}, "
-                f"elementwise_affine={self.elementwise_affine}")
 
 
 def _mixed_affine(kind: str, kwargs: dict[str, Any]) -> None:
