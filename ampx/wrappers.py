@@ -19,7 +19,15 @@ import torch
 
 from .casting import map_tensors
 from .lists import Policy
-from .policies import _CASTS_DISABLED, _HALF_TYPES, LOCAL, Caster, Converter, TensorCast
+from .policies import (
+    _CASTS_DISABLED,
+    _HALF_TYPES,
+    LOCAL,
+    Caster,
+    Converter,
+    TensorCast,
+    in_compiled_region,
+)
 
 __all__ = ["Live", "decorator_wrapper", "make_wrapper"]
 
@@ -38,11 +46,13 @@ def _applies_when_compiling() -> bool:
     """In a compile: whether the calling wrapper's policy applies.
 
     Inlined by dynamo (the user's code): yes, and dynamo folds this to a constant. Run
-    opaquely (a Tensor method during fake propagation or AOT tracing): yes unless the caller
-    is compiler-internal code.
+    opaquely (a Tensor method during fake propagation or AOT tracing): yes unless inside a
+    `disable_casts()` of the compiled code or called by compiler-internal code.
     """
     if torch.compiler.is_dynamo_compiling():
         return True
+    if in_compiled_region():
+        return False
     caller = sys._getframe(2).f_globals.get("__name__", "")
     return not caller.startswith(_COMPILER_INTERNALS)
 

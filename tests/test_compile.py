@@ -35,7 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampx
-from ampx import patch
+from ampx import patch, policies
 from ampx.policies import LOCAL
 
 
@@ -119,7 +119,7 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _eager_trace(model: nn.Module, x: torch.Tensor) -> Trace:
+def _eager_trace(model: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Trace:
     trace: Trace = collections.Counter()
     with _Recorder(trace):
         model(x)
@@ -306,48 +306,59 @@ def test_compiled_training_step_matches_eager(level: str, half: torch.dtype) -> 
     assert expected[-1] < expected[0]
 
 
-def _with_region(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    y = F.linear(x, w)
+def _with_region(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Functions, Tensor methods and operators, inside and outside a region (y is half)."""
+    a = F.linear(x, w)
     with ampx.disable_casts():
-        z = F.linear(x, w)  # fp32: casts off
-        s = torch.softmax(y, -1)  # half in, half out
-        m = torch.mm(z, w)
-    return y, z, s, m, torch.softmax(y, -1)
+        inside = (F.linear(x, w), torch.mm(x, w), torch.softmax(a, -1), x @ w, x.mm(w),
+                  y.softmax(-1), F.softmax(y, -1), F.gelu(y))
+    return (a, *inside, x @ w, y.softmax(-1), F.softmax(y, -1), torch.mm(x, w))
 
 
-def _tensor_method_in_region(y: torch.Tensor) -> torch.Tensor:
-    with ampx.disable_casts():
-        return y.softmax(-1)
-
-
-def test_disable_casts_inside_a_compiled_function() -> None:
-    """torch.* and F.* functions honour a region inside the compiled function, fullgraph."""
-    backend = "aot_eager"
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_disable_casts_inside_a_compiled_function(backend: str) -> None:
+    """A region in compiled code covers functions, Tensor methods and operators, fullgraph,
+    with eager O1's dtypes inside and outside it (backend=eager runs the graph as Python)."""
     _o1(torch.bfloat16)
-    x, w = torch.randn(3, 4), torch.randn(4, 4)
-    expected = _with_region(x, w)
-    assert [t.dtype for t in expected] == [torch.bfloat16, torch.float32, torch.bfloat16,
-                                           torch.float32, torch.float32]
-    got = torch.compile(_with_region, backend=backend, fullgraph=True)(x, w)
+    x, w, y = torch.randn(3, 4), torch.randn(4, 4), torch.randn(3, 4).bfloat16()
+    expected = _with_region(x, w, y)
+    half, fp32 = torch.bfloat16, torch.float32
+    assert [t.dtype for t in expected] == [half, fp32, fp32, half, fp32, fp32, half, half,
+                                           half, half, fp32, fp32, half]
+    with torch._inductor.config.patch(compile_threads=1):  # no compile-worker pool
+        got = torch.compile(_with_region, backend=backend, fullgraph=True)(x, w, y)
     assert [t.dtype for t in got] == [t.dtype for t in expected]
+    tol = 0 if backend != "inductor" else 1e-2
     for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert LOCAL.depth == 0
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    assert LOCAL.depth == 0 and not policies.casts_disabled()
+    assert not any(policies._TRACE_DEPTH.values())
 
 
-def test_compiled_region_does_not_cover_tensor_methods() -> None:
-    """The documented limit (docs/compile.md): Tensor methods run opaquely while compiling,
-    so they keep their O1 cast inside a compiled disable_casts() region."""
-    _o1(torch.bfloat16)
-    y = torch.randn(2, 3).bfloat16()
-    assert _tensor_method_in_region(y).dtype == torch.bfloat16
-    compiled = torch.compile(_tensor_method_in_region, backend="aot_eager", fullgraph=True)
-    assert compiled(y).dtype == torch.float32
-    # backend="eager" runs the dynamo graph as Python that names torch.softmax, i.e. the
-    # live wrapper, outside the (traced, not executed) region.
-    x, w = torch.randn(3, 4), torch.randn(4, 4)
-    got = torch.compile(_with_region, backend="eager", fullgraph=True)(x, w)
-    assert got[1].dtype == torch.float32 and got[2].dtype == torch.float32
+def _region_around(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with ampx.disable_casts():
+            return model(x)
+    return run
+
+
+@pytest.mark.parametrize("kind", ["eager", "aot_eager"])
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_in_a_compiled_region_has_eager_dtypes(name: str, kind: str) -> None:
+    """The zoo run in a region of the compiled function: eager's ops in that region, op by op
+    (no casts at all), one graph, no break."""
+    make, data = ZOO[name]
+    model, x = make(), data()
+    _o1(torch.float16)
+    run = _region_around(model)
+    expected = _eager_trace(run, x)
+    assert all(dtype is not torch.float16 for _, dtype in expected), expected
+    seen: Trace = collections.Counter()
+    out = torch.compile(run, backend=_traced_backend(seen, kind), fullgraph=True)(x)
+    assert dict(seen) == dict(expected)
+    torch.testing.assert_close(out, run(x), rtol=0, atol=0)
+    explained = torch._dynamo.explain(run)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
 
 
 def test_compiled_code_follows_session_changes() -> None:
