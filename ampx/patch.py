@@ -252,6 +252,29 @@ def _reset_compiled() -> None:
         torch.compiler.reset()
 
 
+_CACHE_FLAGS = ("enable_autograd_cache", "enable_remote_autograd_cache")
+_SAVED_FLAGS: dict[str, Any] = {}
+
+
+def _hold_autograd_cache(hold: bool) -> None:
+    # AOTAutograd's cache (memory and disk) is keyed on dynamo's graph, where a Tensor method
+    # or operator is a plain call (its wrapper runs only while AOT traces): a graph compiled
+    # in a session would be served to the next session, or to plain code after restore, or
+    # in another process. So it is off while a session is active.
+    config: Any = sys.modules.get("torch._functorch.config")
+    if config is None:
+        return
+    if hold:
+        for flag in _CACHE_FLAGS:
+            if flag not in _SAVED_FLAGS and hasattr(config, flag):
+                _SAVED_FLAGS[flag] = getattr(config, flag)
+                setattr(config, flag, False)
+    else:
+        for flag, value in _SAVED_FLAGS.items():
+            setattr(config, flag, value)
+        _SAVED_FLAGS.clear()
+
+
 def _drop_rules_built_during_session() -> None:
     # A rule map rebuilt while patched holds the session's wrappers as torch functions and
     # lacks the originals ("does not know how to trace builtin torch.layer_norm"): forget it.
@@ -285,10 +308,12 @@ def activate(config: CastConfig) -> O1Patches:
         if previous is not None:
             previous.install(resolve())
             _ACTIVE = previous
+            _hold_autograd_cache(True)
         raise
     finally:
         _reset_compiled()
     _ACTIVE = patches
+    _hold_autograd_cache(True)
     logger.debug("ampx: installed %d O1 patches (%s)", len(patches.patches), config.dtype)
     return patches
 
@@ -302,6 +327,7 @@ def deactivate() -> None:
             patches.uninstall()
         finally:
             _drop_rules_built_during_session()
+            _hold_autograd_cache(False)
             _reset_compiled()
 
 

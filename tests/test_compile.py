@@ -373,6 +373,28 @@ def test_compiled_code_follows_session_changes() -> None:
     assert compiled(x).dtype == torch.float16
 
 
+def _methods_only(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return x @ w, x.mm(w), x.softmax(-1)
+
+
+def test_inductor_caches_serve_no_graph_across_sessions(tmp_path: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo's graph of Tensor methods and operators is the same in and out of a session
+    (their wrappers run only while AOT traces), and AOTAutograd's cache is keyed on it: ampx
+    turns that cache off during a session, so a graph compiled in a session is not served
+    to plain code after restore (nor to another session: the same key)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cold, private cache
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    got = []
+    with torch._inductor.config.patch(compile_threads=1, fx_graph_cache=True):
+        _o1(torch.bfloat16)
+        for _ in range(2):
+            compiled = torch.compile(_methods_only, backend="inductor", fullgraph=True)
+            got.append([t.dtype for t in compiled(x, w)])
+            ampx.restore()
+    assert got == [[torch.bfloat16, torch.bfloat16, torch.float32], [torch.float32] * 3]
+
+
 _POISONING = textwrap.dedent("""
     import torch
     from torch import nn
