@@ -1,29 +1,27 @@
-"""O1's cast policies: per-policy argument converters for one session, and `disable_casts`.
+"""O1's cast policies: per-policy argument converters for one session.
 
 A `Caster` turns a `CastConfig` into converters (one per policy and function name), each in two
 builds: the eager one (weights through the cast cache, C-level device tests) and the compile
 one (plain `.to(dtype)` and `t.device.type`, which dynamo traces into the graph; nothing that
 touches storage, so fake and functional tensors are safe). `wrappers.py` puts them in closures.
+`disable_casts` lives in `cast_regions.py` (re-exported here).
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import operator
-import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch._guards
 
+from .cast_regions import LOCAL, casts_disabled, disable_casts
 from .casting import WeightCastCache, cacheable, cast_method, map_tensors
 from .lists import Policy
 
 __all__ = ["CastConfig", "CastError", "Caster", "Converter", "LOCAL", "casts_disabled",
-           "disable_casts", "in_compiled_region"]
+           "disable_casts"]
 
 logger = logging.getLogger("ampx")
 
@@ -62,98 +60,6 @@ class CastConfig:
     device_types: frozenset[str]
     allow_banned: bool = False
     verbose: bool = False
-
-
-# -- disable_casts ---------------------------------------------------------------------------
-# Eager code reads the ContextVar (per thread and per asyncio task). Compiled code cannot
-# trace a ContextVar, so it reads a per-thread depth that dynamo guards (set in __init__ of a
-# threading.local subclass: a class-level default would not be guarded).
-_CASTS_DISABLED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "ampx_casts_disabled", default=False
-)
-
-
-class _Local(threading.local):
-    def __init__(self) -> None:
-        self.depth = 0
-
-
-LOCAL = _Local()
-
-# Tensor methods and operators are not inlined by dynamo: their wrappers run opaquely while
-# compiling (dynamo's fake propagation, then AOT's retrace of its graph), where the traced
-# depth above is not visible. So a region in compiled code also puts the op below in the
-# graph, once on entry and once on exit. Both traces run it in graph order; its fake kernel
-# keeps a depth per fake mode (one per trace), which the opaque wrappers read
-# (`in_compiled_region`). AOT drops the op (no outputs), so aot_eager and inductor never run
-# it; backend=eager runs dynamo's graph as Python, and there its kernel sets the ContextVar.
-_TRACE_DEPTH: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-
-
-class _Tokens(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[contextvars.Token[bool]] = []
-
-
-_RUNTIME = _Tokens()
-
-
-@torch.library.custom_op("ampx::disable_casts_region", mutates_args=())
-def _region(delta: int) -> None:
-    """Runs only where dynamo's graph runs as Python (backend=eager): the eager region."""
-    if delta > 0:
-        _RUNTIME.stack.append(_CASTS_DISABLED.set(True))
-    elif _RUNTIME.stack:
-        _CASTS_DISABLED.reset(_RUNTIME.stack.pop())
-
-
-@_region.register_fake
-def _region_traced(delta: int) -> None:
-    mode = torch._guards.detect_fake_mode()
-    if mode is not None:
-        _TRACE_DEPTH[mode] = _TRACE_DEPTH.get(mode, 0) + delta
-
-
-def in_compiled_region() -> bool:
-    """While compiling, in code run opaquely: inside a `disable_casts()` of the compiled code."""
-    mode = torch._guards.detect_fake_mode()
-    return mode is not None and _TRACE_DEPTH.get(mode, 0) > 0
-
-
-def casts_disabled() -> bool:
-    """True inside `disable_casts()` in the current thread / task (eager code)."""
-    return _CASTS_DISABLED.get()
-
-
-class disable_casts:  # noqa: N801 - used like a function, as torch.no_grad
-    """Run a block with O1's casts off (in this thread / task only).
-
-    Nestable and exception-safe; a no-op at O0, O2 and O3 (there are no casts to disable).
-    Also inside a function compiled with `torch.compile` (no graph break), where it covers
-    functions, Tensor methods and operators alike; see docs/compile.md.
-
-    Example::
-
-        with ampx.disable_casts():
-            out = my_custom_kernel(x.float())
-    """
-
-    def __init__(self) -> None:
-        self._tokens: list[contextvars.Token[bool]] = []
-
-    def __enter__(self) -> None:
-        if torch.compiler.is_compiling():
-            torch.ops.ampx.disable_casts_region(1)
-        else:
-            self._tokens.append(_CASTS_DISABLED.set(True))
-        LOCAL.depth += 1
-
-    def __exit__(self, *exc: object) -> None:
-        LOCAL.depth -= 1
-        if torch.compiler.is_compiling():
-            torch.ops.ampx.disable_casts_region(-1)
-        else:
-            _CASTS_DISABLED.reset(self._tokens.pop())
 
 
 # -- converters ------------------------------------------------------------------------------

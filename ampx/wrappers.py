@@ -17,17 +17,10 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from .cast_regions import _CASTS_DISABLED, LOCAL, eager_depth_when_compiling, in_compiled_region
 from .casting import map_tensors
 from .lists import Policy
-from .policies import (
-    _CASTS_DISABLED,
-    _HALF_TYPES,
-    LOCAL,
-    Caster,
-    Converter,
-    TensorCast,
-    in_compiled_region,
-)
+from .policies import _HALF_TYPES, Caster, Converter, TensorCast
 
 __all__ = ["Live", "decorator_wrapper", "make_wrapper"]
 
@@ -45,13 +38,14 @@ _COMPILER_INTERNALS = ("torch._decomp", "torch._refs", "torch._prims", "torch._m
 def _applies_when_compiling() -> bool:
     """In a compile: whether the calling wrapper's policy applies.
 
-    Inlined by dynamo (the user's code): yes, and dynamo folds this to a constant. Run
-    opaquely (a Tensor method during fake propagation or AOT tracing): yes unless inside a
-    `disable_casts()` of the compiled code or called by compiler-internal code.
+    Inlined by dynamo (the user's code): unless in a `disable_casts()` (a depth dynamo
+    tracks and guards). Run opaquely (a Tensor method during fake propagation or AOT
+    tracing): unless in a `disable_casts()` of the compiled code (in graph order) or around
+    the compiled call (guarded), or called by compiler-internal code.
     """
     if torch.compiler.is_dynamo_compiling():
-        return True
-    if in_compiled_region():
+        return not LOCAL.depth
+    if in_compiled_region() or eager_depth_when_compiling():
         return False
     caller = sys._getframe(2).f_globals.get("__name__", "")
     return not caller.startswith(_COMPILER_INTERNALS)
@@ -89,7 +83,6 @@ def _map_wrapper(original: Callable[..., Any], session: Live, cast: TensorCast,
                  compiled: Converter) -> Callable[..., Any]:
     """The hot path (F.linear, matmul, softmax...): no tuple is rebuilt when nothing changes."""
     disabled = _CASTS_DISABLED.get
-    local = LOCAL
     compiling = torch.compiler.is_compiling
     eager = _eager_map(cast)
 
@@ -97,7 +90,7 @@ def _map_wrapper(original: Callable[..., Any], session: Live, cast: TensorCast,
     def ampx_cast(*args: Any, **kwargs: Any) -> Any:
         if session.live:
             if compiling():
-                if not local.depth and _applies_when_compiling():
+                if _applies_when_compiling():
                     converted = compiled(args, kwargs)
                     if converted is not None:
                         return original(*converted[0], **converted[1])
@@ -141,15 +134,13 @@ def _eager_map(cast: TensorCast) -> Converter:
 def _convert_wrapper(original: Callable[..., Any], session: Live, eager: Converter,
                      compiled: Converter) -> Callable[..., Any]:
     disabled = _CASTS_DISABLED.get
-    local = LOCAL
     compiling = torch.compiler.is_compiling
 
     @_wraps(original)
     def ampx_cast(*args: Any, **kwargs: Any) -> Any:
         if session.live:
             if compiling():
-                converted = (compiled(args, kwargs)
-                             if not local.depth and _applies_when_compiling() else None)
+                converted = (compiled(args, kwargs) if _applies_when_compiling() else None)
             else:
                 converted = None if disabled() else eager(args, kwargs)
             if converted is not None:
@@ -167,7 +158,6 @@ def decorator_wrapper(fn: Callable[..., Any], policy: Policy,
     """
     label = getattr(fn, "__qualname__", repr(fn))
     disabled = _CASTS_DISABLED.get
-    local = LOCAL
     compiling = torch.compiler.is_compiling
 
     @_wraps(fn)
@@ -176,7 +166,7 @@ def decorator_wrapper(fn: Callable[..., Any], policy: Policy,
         if caster is not None:
             if compiling():
                 converted = (caster.compiled_converters[policy](args, kwargs)
-                             if not local.depth and _applies_when_compiling() else None)
+                             if _applies_when_compiling() else None)
             else:
                 converted = None if disabled() else caster.converter(policy, label)(args, kwargs)
             if converted is not None:

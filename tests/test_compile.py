@@ -35,8 +35,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampx
-from ampx import patch, policies
-from ampx.policies import LOCAL
+from ampx import cast_regions, patch
+from ampx.cast_regions import LOCAL
 
 
 class MLP(nn.Module):
@@ -331,8 +331,8 @@ def test_disable_casts_inside_a_compiled_function(backend: str) -> None:
     tol = 0 if backend != "inductor" else 1e-2
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
-    assert LOCAL.depth == 0 and not policies.casts_disabled()
-    assert not any(policies._TRACE_DEPTH.values())
+    assert LOCAL.depth == 0 and not cast_regions.casts_disabled()
+    assert not any(cast_regions._TRACE_DEPTH.values())
 
 
 def _region_around(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -371,10 +371,6 @@ def test_compiled_code_follows_session_changes() -> None:
     assert compiled(x).dtype == torch.float32
     _o1(torch.float16)
     assert compiled(x).dtype == torch.float16
-
-
-def _methods_only(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return x @ w, x.mm(w), x.softmax(-1)
 
 
 def test_inductor_caches_serve_no_graph_across_sessions(tmp_path: Any,
@@ -426,23 +422,37 @@ def test_no_process_wide_damage_after_restore() -> None:
     assert lines["matmul"] == "torch.float32"
 
 
-def test_disable_casts_around_a_compiled_call_covers_everything() -> None:
-    """Entered outside the compiled call, the region is real while tracing: Tensor methods
-    and functions are left alone. The function's F.linear reads the disable depth, which
-    dynamo guards, so the same function compiles again with casts outside."""
-    _o1(torch.bfloat16)
-    compiled = torch.compile(_mixed, backend="aot_eager", fullgraph=True)
-    x, w = torch.randn(3, 4), torch.randn(4, 4)
-    with ampx.disable_casts():
-        inside = compiled(x, w)
-    outside = compiled(x, w)
-    assert [t.dtype for t in inside] == [torch.float32] * 3
-    assert [t.dtype for t in outside] == [torch.bfloat16, torch.bfloat16, torch.float32]
+def _methods_only(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return x @ w, x.mm(w), x.softmax(-1)
 
 
 def _mixed(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     y = x @ w  # Tensor.__matmul__: lower
     return y, F.linear(x, w), y.softmax(-1)  # F.linear: lower; Tensor.softmax: fp32
+
+
+@pytest.mark.parametrize("fn", [_mixed, _methods_only], ids=["mixed", "methods_only"])
+def test_disable_casts_around_a_compiled_call_covers_everything(
+        fn: Callable[..., tuple[torch.Tensor, ...]]) -> None:
+    """Entered outside the compiled call, the region is real while tracing: Tensor methods
+    and functions are left alone. The region's depth is guarded (read by F.linear in traced
+    code, or by the Tensor-method wrappers while dynamo traces), so the same function is
+    compiled again for calls outside the region, and the first graph serves calls inside."""
+    _o1(torch.bfloat16)
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    with ampx.disable_casts():
+        inside = compiled(x, w)
+    outside = compiled(x, w)
+    with ampx.disable_casts():
+        again = compiled(x, w)
+    expected = fn(x, w)
+    with ampx.disable_casts():
+        expected_inside = fn(x, w)
+    assert [t.dtype for t in inside] == [t.dtype for t in again] == [torch.float32] * 3
+    assert [t.dtype for t in expected_inside] == [torch.float32] * 3
+    assert [t.dtype for t in outside] == [t.dtype for t in expected]
+    assert [t.dtype for t in expected] == [torch.bfloat16, torch.bfloat16, torch.float32]
 
 
 def test_dynamo_rules_rebuilt_during_a_session_are_dropped() -> None:
