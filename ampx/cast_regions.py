@@ -18,7 +18,7 @@ import torch
 import torch._guards
 
 __all__ = ["LOCAL", "casts_disabled", "disable_casts", "eager_depth_when_compiling",
-           "in_compiled_region"]
+           "in_compiled_region", "run_region_frames_as_python"]
 
 # Eager code reads the ContextVar (per thread and per asyncio task). Compiled code cannot
 # trace a ContextVar, so it reads a per-thread depth that dynamo guards (set in __init__ of a
@@ -125,3 +125,18 @@ class disable_casts:  # noqa: N801 - used like a function, as torch.no_grad
             torch.ops.ampx.disable_casts_region(-1)
         else:
             _CASTS_DISABLED.reset(self._tokens.pop())
+
+
+def run_region_frames_as_python() -> None:
+    """Keep dynamo from compiling `disable_casts`'s own frames on their own (it still inlines
+    them into the functions it traces).
+
+    After a graph break inside a region, dynamo runs the rest of the function as Python and
+    compiles the frames it calls one at a time. Compiled on its own, `__enter__` would lose
+    its effect (dynamo drops writes to a threading.local's attributes); run as Python, it
+    enters the eager region, which the frames compiled after it read (a guarded depth).
+    """
+    from torch._dynamo.eval_frame import skip_code
+
+    for method in (disable_casts.__enter__, disable_casts.__exit__):
+        skip_code(method.__code__)

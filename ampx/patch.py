@@ -17,6 +17,7 @@ from typing import Any, Callable, TypeVar
 import torch
 import wrapt
 
+from .cast_regions import run_region_frames_as_python
 from .casting import WeightCastCache
 from .lists import ListEntry, Policy, owner_object, resolve
 from .policies import CastConfig, Caster, CastError, casts_disabled, disable_casts
@@ -237,6 +238,8 @@ def _prepare_torch() -> None:
                 importlib.import_module(name)
             except Exception as exc:  # a torch build without the compiler: nothing to protect
                 logger.debug("ampx: could not import %s before patching: %s", name, exc)
+        if "torch._dynamo" in sys.modules:
+            run_region_frames_as_python()
         _prepared = True
     rules = sys.modules.get("torch._dynamo.trace_rules")
     if rules is not None:
@@ -258,9 +261,8 @@ _SAVED_FLAGS: dict[str, Any] = {}
 
 def _hold_autograd_cache(hold: bool) -> None:
     # AOTAutograd's cache (memory and disk) is keyed on dynamo's graph, where a Tensor method
-    # or operator is a plain call (its wrapper runs only while AOT traces): a graph compiled
-    # in a session would be served to the next session, or to plain code after restore, or
-    # in another process. So it is off while a session is active.
+    # is a plain call (its wrapper runs only while AOT traces): off during a session, or it
+    # serves a session's graphs to the next session and to plain code (other processes too).
     config: Any = sys.modules.get("torch._functorch.config")
     if config is None:
         return

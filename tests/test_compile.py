@@ -335,6 +335,35 @@ def test_disable_casts_inside_a_compiled_function(backend: str) -> None:
     assert not any(cast_regions._TRACE_DEPTH.values())
 
 
+def _break_in_region(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    a = x @ w
+    with ampx.disable_casts():
+        b, c = x @ w, torch.mm(x, w)
+        torch._dynamo.graph_break()
+        d, e = x.mm(w), F.linear(x, w)
+    return a, b, c, d, e, torch.mm(x, w)
+
+
+# Run as Python after the break, `x @ w` calls its wrapper, which dynamo compiles on its own
+# and warns about (once) at the C method the wrapper calls: dynamo's, about a frame it skips.
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace the builtin")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_graph_break_inside_a_compiled_region(backend: str) -> None:
+    """After a graph break in a region, dynamo runs the rest as Python and compiles the frames
+    it calls one by one: the region's own frames run as Python (the eager region), so what
+    follows the break is not cast either."""
+    _o1(torch.bfloat16)
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    expected = _break_in_region(x, w)
+    assert [t.dtype for t in expected] == [torch.bfloat16] + [torch.float32] * 4 + [
+        torch.bfloat16]
+    got = torch.compile(_break_in_region, backend=backend)(x, w)
+    assert [t.dtype for t in got] == [t.dtype for t in expected]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert LOCAL.depth == 0 and not cast_regions.casts_disabled()
+
+
 def _region_around(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     def run(x: torch.Tensor) -> torch.Tensor:
         with ampx.disable_casts():
