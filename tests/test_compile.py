@@ -364,6 +364,28 @@ def test_graph_break_inside_a_compiled_region(backend: str) -> None:
     assert LOCAL.depth == 0 and not cast_regions.casts_disabled()
 
 
+def _index_in_region(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    with ampx.disable_casts():
+        return x[i] * 2
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_exception_inside_a_compiled_region(backend: str) -> None:
+    """The documented limit: backend=eager runs dynamo's graph as Python, so a graph raising
+    inside a region leaves the region on in this thread (as torch.no_grad() in such a graph
+    leaves grad mode off). aot_eager (and inductor) graphs hold no region op."""
+    _o1(torch.bfloat16)
+    compiled = torch.compile(_index_in_region, backend=backend, fullgraph=True)
+    compiled(torch.randn(3), torch.tensor([1]))
+    with pytest.raises(IndexError):
+        compiled(torch.randn(3), torch.tensor([10]))  # index out of range, at run time
+    left_on = cast_regions.casts_disabled()
+    while cast_regions._RUNTIME.stack:  # leave the thread clean for the other tests
+        torch.ops.ampx.disable_casts_region(-1)
+    assert left_on is (backend == "eager")
+    assert not cast_regions.casts_disabled()
+
+
 def _region_around(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     def run(x: torch.Tensor) -> torch.Tensor:
         with ampx.disable_casts():
