@@ -37,11 +37,11 @@ LOCAL = _Local()
 
 # Tensor methods and operators are not inlined by dynamo: their wrappers run opaquely while
 # compiling (dynamo's fake propagation, then AOT's retrace of its graph), where the traced
-# depth above is not visible. So a region in compiled code also puts the op below in the
-# graph, once on entry and once on exit. Both traces run it in graph order; its fake kernel
-# keeps a depth per fake mode (one per trace), which the opaque wrappers read
-# (`in_compiled_region`). AOT drops the op (no outputs), so aot_eager and inductor never run
-# it; backend=eager runs dynamo's graph as Python, and there its kernel sets the ContextVar.
+# depth above is not visible. So a region in compiled code also puts the op below in dynamo's
+# graph, once on entry and once on exit. Both traces run it in graph order, and it keeps a
+# depth per fake mode (one per trace), which the opaque wrappers read (`in_compiled_region`).
+# The op is composite and decomposes to nothing, so AOT graphs (aot_eager, inductor) do not
+# hold it; backend=eager runs dynamo's graph as Python, and there it sets the ContextVar.
 _TRACE_DEPTH: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
@@ -53,20 +53,21 @@ class _Tokens(threading.local):
 _RUNTIME = _Tokens()
 
 
-@torch.library.custom_op("ampx::disable_casts_region", mutates_args=())
 def _region(delta: int) -> None:
-    """Runs only where dynamo's graph runs as Python (backend=eager): the eager region."""
-    if delta > 0:
+    # Composite: run where the op is called (traced or eager), leaving no op in any graph.
+    if torch.compiler.is_compiling():  # a trace of dynamo's graph: keep its depth
+        mode = torch._guards.detect_fake_mode()
+        if mode is not None:
+            _TRACE_DEPTH[mode] = _TRACE_DEPTH.get(mode, 0) + delta
+    elif delta > 0:  # dynamo's graph run as Python (backend=eager): the eager region
         _RUNTIME.stack.append(_CASTS_DISABLED.set(True))
     elif _RUNTIME.stack:
         _CASTS_DISABLED.reset(_RUNTIME.stack.pop())
 
 
-@_region.register_fake
-def _region_traced(delta: int) -> None:
-    mode = torch._guards.detect_fake_mode()
-    if mode is not None:
-        _TRACE_DEPTH[mode] = _TRACE_DEPTH.get(mode, 0) + delta
+_LIBRARY = torch.library.Library("ampx", "DEF")
+_LIBRARY.define("disable_casts_region(int delta) -> ()")
+_LIBRARY.impl("disable_casts_region", _region, "CompositeImplicitAutograd")
 
 
 def in_compiled_region() -> bool:

@@ -335,6 +335,35 @@ def test_disable_casts_inside_a_compiled_function(backend: str) -> None:
     assert not any(cast_regions._TRACE_DEPTH.values())
 
 
+class _Region(nn.Module):
+    def forward(self, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Any:
+        return _with_region(x, w, y)
+
+
+# torch's own: strict export reports the region's depth writes (dropped by dynamo, as for
+# every compile: the region leaves the depth as it found it), and a pytree deprecation.
+@pytest.mark.filterwarnings("ignore:While compiling, we found certain side effects")
+@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated")
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non_strict"])
+def test_export_of_a_region(strict: bool) -> None:
+    """torch.export gives eager O1's dtypes in and out of a region; its pre-dispatch graph
+    keeps the region op, which run_decompositions() removes (it decomposes to nothing)."""
+    _o1(torch.bfloat16)
+    x, w, y = torch.randn(3, 4), torch.randn(4, 4), torch.randn(3, 4).bfloat16()
+    expected = [t.dtype for t in _with_region(x, w, y)]
+    program = torch.export.export(_Region(), (x, w, y), strict=strict)
+
+    def region_ops(p: Any) -> int:
+        return sum("disable_casts_region" in str(n.target) for n in p.graph.nodes)
+
+    assert region_ops(program) == 2
+    decomposed = program.run_decompositions()
+    assert region_ops(decomposed) == 0
+    for p in (program, decomposed):
+        assert [t.dtype for t in p.module()(x, w, y)] == expected
+    assert not cast_regions.casts_disabled()
+
+
 def _break_in_region(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     a = x @ w
     with ampx.disable_casts():
