@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -453,19 +454,22 @@ def test_compiled_code_follows_session_changes() -> None:
     assert compiled(x).dtype == torch.float16
 
 
-def test_inductor_caches_serve_no_graph_across_sessions(tmp_path: Any,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_inductor_caches_serve_no_graph_across_sessions() -> None:
     """Dynamo's graph of Tensor methods and operators is the same in and out of a session
     (their wrappers run only while AOT traces), and AOTAutograd's cache is keyed on it: ampx
     turns that cache off during a session, so a graph compiled in a session is not served
     to plain code after restore (nor to another session: the same key)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cold, private cache
+    unique = time.time_ns() % 100_003 + 2  # a constant of the graph: no earlier run's entry
+
+    def methods_only(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x @ w, x.mm(w), x.softmax(-1) * unique
+
     x, w = torch.randn(3, 4), torch.randn(4, 4)
     got = []
     with torch._inductor.config.patch(compile_threads=1, fx_graph_cache=True):
         _o1(torch.bfloat16)
         for _ in range(2):
-            compiled = torch.compile(_methods_only, backend="inductor", fullgraph=True)
+            compiled = torch.compile(methods_only, backend="inductor", fullgraph=True)
             got.append([t.dtype for t in compiled(x, w)])
             ampx.restore()
     assert got == [[torch.bfloat16, torch.bfloat16, torch.float32], [torch.float32] * 3]
