@@ -188,7 +188,8 @@ class LossScaler:
         of `update_`, used by the scaled-backward protocol).
         """
         found = found_inf if found_inf.device == self.device else found_inf.to(self.device)
-        new = {name: getattr(self, name).clone() for name in _TENSORS}
+        # the three the kernel updates in place are cloned; the other two are computed anew
+        new = {name: getattr(self, name).clone() for name in _TENSORS[:3]}
         # remember the scale in force before the first overflow not yet reported (for the log)
         new["_scale_before_overflow"] = torch.where(
             self._overflows_since_report > 0, self._scale_before_overflow, self._scale)
