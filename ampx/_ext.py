@@ -179,12 +179,11 @@ def __getattr__(name: str) -> Any:
 # ---------------------------------------------------------------------------
 # The contract (see ampx/_reference.py for the full specification)
 #
-# The implementations take contiguous tensors on one device. This boundary accepts more and
-# normalises once: tensors are grouped by device (each device gets its own call, with the
-# flags moved there and merged back), and any layout a torch optimizer accepts is reduced to
-# contiguous views: a dense tensor (channels_last, transposed) is viewed in memory order, a
-# src/dst pair with different or non-dense layouts is staged through contiguous copies
-# (exact, so results are bitwise those of the contiguous tensors).
+# The implementations take contiguous tensors (any shape) on one device. This boundary groups
+# tensors by device (one call each, flags moved there and merged back) and reduces any layout
+# a torch optimizer accepts to contiguous ones: a dense tensor (channels_last, transposed) is
+# viewed in memory order, a src/dst pair with different or non-dense layouts is staged
+# through contiguous copies (exact: results are bitwise those of contiguous tensors).
 # ---------------------------------------------------------------------------
 
 
@@ -216,7 +215,7 @@ class _Staged:
         self.back: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def output(self, t: torch.Tensor, *, keep: bool, any_order: bool) -> torch.Tensor:
-        flat = _flat(t) if any_order else (t.view(-1) if t.is_contiguous() else None)
+        flat = t if t.is_contiguous() else _flat(t) if any_order else None
         if flat is not None:
             return flat
         staged = t.contiguous().view(-1) if keep else torch.empty(
@@ -228,7 +227,7 @@ class _Staged:
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(src, dst) views whose elements correspond (same layout: in memory order)."""
         if s.shape == d.shape and s.stride() == d.stride():
-            fs, fd = _flat(s), _flat(d)
+            fs, fd = (s, d) if s.is_contiguous() else (_flat(s), _flat(d))
             if fs is not None and fd is not None:
                 return fs, fd
         src = s.view(-1) if s.is_contiguous() else s.contiguous().view(-1)

@@ -287,7 +287,8 @@ class OptimizerAmpState:
                        loss: torch.Tensor, per_tensor: torch.Tensor | None = None) -> None:
         """SCALING -> UNSCALED: assign the computed gradients, the flag and the bookkeeping."""
         for (param, _, _), grad in zip(work.assign, work.results):
-            journal.set(param, "grad", grad)
+            if param.grad is not grad:  # a gradient checked in place is already there
+                journal.set(param, "grad", grad)
         for model_param in work.clear:
             journal.set(model_param, "grad", None)
         for param, _ in self.dropped.values():

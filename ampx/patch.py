@@ -76,13 +76,21 @@ class PatchSet:
     def __init__(self) -> None:
         # (id(owner), name) -> (owner, name, own value or _MISSING, raw original)
         self._records: dict[tuple[int, str], tuple[Any, str, Any, Any]] = {}
+        self._originals: list[tuple[Any, str, Any]] | None = None  # built by `originals`
 
     def __len__(self) -> int:
         return len(self._records)
 
-    def records(self) -> list[tuple[Any, str, Any, Any]]:
-        """(owner, name, own value or `_MISSING`, raw original) of every replaced attribute."""
-        return list(self._records.values())
+    def originals(self) -> list[tuple[Any, str, Any]]:
+        """(owner, name, value) that puts each replaced attribute's original back by `setattr`.
+
+        An inherited original is the raw attribute itself (set on the owner, not deleted).
+        Built once and kept until the set changes (the per-step swap of `ampx.suspend`).
+        """
+        if self._originals is None:
+            self._originals = [(owner, name, raw if own is _MISSING else own)
+                               for owner, name, own, raw in self._records.values()]
+        return self._originals
 
     def original(self, owner: Any, name: str) -> Any:
         """The raw attribute as it was before this set first replaced it."""
@@ -97,10 +105,12 @@ class PatchSet:
             record = (owner, name, vars(owner).get(name, _MISSING), _raw_attribute(owner, name))
         setattr(owner, name, replacement)
         self._records[key] = record
+        self._originals = None
 
     def restore_one(self, owner: Any, name: str) -> None:
         """Put back one replaced attribute (nothing happens if it was not replaced)."""
         record = self._records.pop((id(owner), name), None)
+        self._originals = None
         if record is not None:
             _put_back(record)
 
@@ -113,6 +123,7 @@ class PatchSet:
             except Exception as exc:  # keep restoring the rest, then report
                 errors.append(f"{_owner_label(record[0])}.{record[1]}: {exc}")
         self._records.clear()
+        self._originals = None
         if errors:
             raise RuntimeError("ampx.restore: could not restore " + "; ".join(errors))
 

@@ -88,12 +88,13 @@ class ScaledPass:
         scaler = self.scaler
         found = torch.zeros(1, dtype=torch.float32, device=scaler.device)
         inv_scale = scaler.inv_scale()
+        unit = scaler.unit_scale()
         works: list[unscale.UnscaleWork] = []
         flags: list[torch.Tensor | None] = []
         for opt, state in self.pairs:
             work = unscale.plan(state.cache(opt), state.stash)
             flags.append(unscale.run(work, inv_scale, found,
-                                     self.per_tensor or state.policy.per_tensor))
+                                     self.per_tensor or state.policy.per_tensor, unit))
             works.append(work)
         new_scaler = None
         if check:

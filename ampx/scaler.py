@@ -115,6 +115,9 @@ class LossScaler:
         self._suppressed = 0
         self._floor_warned = False
         self.overflow_count = 0  # overflows observed by the host (at step time)
+        # (scale tensor, its version) while a static scale is known on the host to be 1.0
+        self._unit_mark: tuple[torch.Tensor, int] | None = None
+        self._mark_unit(not self.dynamic and start == 1.0)
 
     # -- device placement -------------------------------------------------------------
     @property
@@ -125,8 +128,25 @@ class LossScaler:
     def to_(self, device: torch.device) -> None:
         """Move the state to `device` (done once, on first use with the gradients' device)."""
         if device != self._scale.device:
+            unit = self.unit_scale()
             for name in _TENSORS:
                 setattr(self, name, getattr(self, name).to(device))
+            self._mark_unit(unit)
+
+    # -- host knowledge of a unit scale (no sync) ------------------------------------------
+    def _mark_unit(self, unit: bool) -> None:
+        self._unit_mark = (self._scale, self._scale._version) if unit else None
+
+    def unit_scale(self) -> bool:
+        """True when the scale is known, without a sync, to be exactly 1.0 (a static scaler).
+
+        Then unscaling multiplies by exactly 1, which changes no value: gradients can be
+        checked in place instead of copied (`ampx.unscale`). Known from the constructor and
+        the `_loss_scale` setter; anything else that writes the scale tensor (or replaces
+        it) voids the knowledge, through the tensor's identity and version counter.
+        """
+        mark = self._unit_mark
+        return mark is not None and mark[0] is self._scale and mark[1] == self._scale._version
 
     # -- the hot path (no host sync) ------------------------------------------------------
     @property
@@ -168,7 +188,8 @@ class LossScaler:
         of `update_`, used by the scaled-backward protocol).
         """
         found = found_inf if found_inf.device == self.device else found_inf.to(self.device)
-        new = {name: getattr(self, name).clone() for name in _TENSORS}
+        # the three the kernel updates in place are cloned; the other two are computed anew
+        new = {name: getattr(self, name).clone() for name in _TENSORS[:3]}
         # remember the scale in force before the first overflow not yet reported (for the log)
         new["_scale_before_overflow"] = torch.where(
             self._overflows_since_report > 0, self._scale_before_overflow, self._scale)
@@ -183,10 +204,17 @@ class LossScaler:
         return new
 
     def commit(self, journal: Journal, new: Mapping[str, torch.Tensor]) -> None:
-        """Install a state made by `next_state` (or a checkpoint load) through `journal`."""
+        """Install a state made by `next_state` (or a checkpoint load) through `journal`.
+
+        A static scale keeps its value through both (a checkpoint of another static scale is
+        refused), so a known unit scale stays known.
+        """
+        unit = self.unit_scale()
         for name in _TENSORS:
             if name in new:
                 journal.set(self, name, new[name])
+        if unit:
+            journal.set(self, "_unit_mark", (self._scale, self._scale._version))
 
     # -- host-side reporting (syncs; called only on the overflow path) ------------------------
     def report_overflow(self, where: str = "") -> tuple[float, float] | None:
@@ -267,6 +295,7 @@ class LossScaler:
     @_loss_scale.setter
     def _loss_scale(self, value: float) -> None:
         self._scale.fill_(float(value))
+        self._mark_unit(not self.dynamic and float(value) == 1.0)
 
     @property
     def _unskipped(self) -> int:

@@ -20,8 +20,6 @@ __all__ = ["for_loop", "resume", "suspend"]
 
 # The suspended installation and, per swapped attribute, (owner, name, its wrapper).
 _SUSPENDED: list[tuple[patch.O1Patches, list[tuple[Any, str, Any]]]] = []
-
-
 def for_loop(optimizer: torch.optim.Optimizer) -> bool:
     """True unless every parameter group asks for the foreach or fused implementation."""
     return not all(group.get("foreach") or group.get("fused")
@@ -37,9 +35,9 @@ def suspend() -> None:
     _SUSPENDED.append((o1, swapped))
     # An inherited original is set on the owner (not deleted), so that `ampx.restore()` while
     # suspended (after a step that raised) still finds each attribute it deletes.
-    for owner, name, own, raw in o1.patches.records():
+    for owner, name, original in o1.patches.originals():
         swapped.append((owner, name, vars(owner)[name]))
-        setattr(owner, name, raw if own is patch._MISSING else own)
+        setattr(owner, name, original)
 
 
 def resume() -> None:

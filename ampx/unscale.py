@@ -7,7 +7,10 @@ O2. `run` computes all of it into buffers nobody else holds (`torch.empty_like` 
 gradient's layout, so channels_last and transposed parameters get gradients of their own
 layout; accumulation works on clones of the earlier gradients) and flags inf/NaN. Only then
 does `ampx.optimizer` assign the results to `.grad`: a failing kernel, or an interrupt, leaves
-every gradient, master gradient and the stash as they were.
+every gradient, master gradient and the stash as they were. The one exception needs no
+buffer: at a static scale of exactly 1 (bf16's default) a gradient that is neither
+accumulated nor cast is checked in place, multiplied by 1, which changes no value, so a
+failure there leaves it as it was too.
 
 Sparse gradients (`nn.Embedding(sparse=True)`) are unscaled through their values and checked
 like dense ones; the result is a sparse gradient of the same indices.
@@ -74,17 +77,26 @@ def _fresh(target: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(like, dtype=target.dtype)
 
 
-def run(work: UnscaleWork, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-        per_tensor: bool = False) -> torch.Tensor | None:
-    """Compute every new gradient of `work` into fresh buffers; flag inf/NaN in `found_inf`.
+def _checkable_in_place(target: torch.Tensor, src: torch.Tensor) -> bool:
+    # A gradient multiplied by exactly 1 keeps every value, so it can be checked where it is:
+    # a plain dense tensor of the target's dtype, outside autograd and inference mode.
+    return (type(src) is torch.Tensor and src.dtype == target.dtype and not src.requires_grad
+            and not src.is_inference())
 
-    `found_inf` must be a tensor this pass owns (it is written). Returns the per-tensor flags
-    when asked for.
-    """
-    lists: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor], list[int]]] = {
-        False: ([], [], []), True: ([], [], [])}
+
+_Lists = dict[str, tuple[list[torch.Tensor], list[torch.Tensor], list[int]]]
+_Sparse = list[tuple[int, torch.Tensor, torch.Tensor]]
+
+
+def _classify(work: UnscaleWork, unit_scale: bool
+              ) -> tuple[_Lists, list[torch.Tensor | None], _Sparse]:
+    """Sort `work`'s entries by kernel call; allocate the buffers of the fresh ones."""
+    # kind -> (sources, destinations, indices into work.assign); kinds: fresh buffer,
+    # accumulation onto a clone of the earlier gradient, checked in place
+    lists: _Lists = {
+        kind: ([], [], []) for kind in ("fresh", "accumulate", "in_place")}
     results: list[torch.Tensor | None] = []
-    sparse: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    sparse: _Sparse = []
     for i, (target, src, earlier) in enumerate(work.assign):
         if src is None:
             results.append(earlier)
@@ -92,31 +104,52 @@ def run(work: UnscaleWork, inv_scale: torch.Tensor, found_inf: torch.Tensor,
         if src.is_sparse:
             values = src._values()
             out = torch.empty(values.shape, dtype=target.dtype, device=values.device)
-            lists[False][0].append(values)
-            lists[False][1].append(out)
-            lists[False][2].append(i)
+            lists["fresh"][0].append(values)
+            lists["fresh"][1].append(out)
+            lists["fresh"][2].append(i)
             sparse.append((i, src, out))
             results.append(None)
             continue
         accumulate = earlier is not None and not earlier.is_sparse
-        dst = earlier.clone() if accumulate else _fresh(target, src)  # type: ignore[union-attr]
-        srcs, dsts, index = lists[accumulate]
+        if accumulate:
+            kind, dst = "accumulate", earlier.clone()  # type: ignore[union-attr]
+        elif unit_scale and earlier is None and _checkable_in_place(target, src):
+            kind, dst = "in_place", src
+        else:
+            kind, dst = "fresh", _fresh(target, src)
+        srcs, dsts, index = lists[kind]
         srcs.append(src)
         dsts.append(dst)
         index.append(i)
         results.append(dst)
-    order = lists[False][2] + lists[True][2]
+    return lists, results, sparse
+
+
+def run(work: UnscaleWork, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+        per_tensor: bool = False, unit_scale: bool = False) -> torch.Tensor | None:
+    """Compute every new gradient of `work` into fresh buffers; flag inf/NaN in `found_inf`.
+
+    `found_inf` must be a tensor this pass owns (it is written). Returns the per-tensor flags
+    when asked for. With `unit_scale` (the caller knows `inv_scale` is exactly 1.0, a static
+    scale of 1: bf16's default) a gradient that is not accumulated and needs no dtype change
+    is its own new gradient: it is only checked, in place (multiplied by 1, which changes no
+    value: nothing is lost if the pass fails), and no buffer is allocated for it.
+    """
+    lists, results, sparse = _classify(work, unit_scale)
+    order = [i for kind in lists.values() for i in kind[2]]
     flags = torch.zeros(len(order), dtype=torch.float32, device=found_inf.device) \
         if per_tensor else None
     start = 0
-    for accumulate in (False, True):
-        srcs, dsts, index = lists[accumulate]
+    for kind, (srcs, dsts, _) in lists.items():
         part = flags[start:start + len(srcs)] if flags is not None else None
-        if srcs:
-            _ext.unscale_into_(srcs, dsts, inv_scale, found_inf, part, accumulate=accumulate)
+        if kind == "in_place":
+            _ext.unscale_(srcs, inv_scale, found_inf, part)
+        elif srcs:
+            _ext.unscale_into_(srcs, dsts, inv_scale, found_inf, part,
+                               accumulate=kind == "accumulate")
         start += len(srcs)
-    for i, src, out in sparse:
-        new = torch.sparse_coo_tensor(src._indices(), out, src.shape, dtype=out.dtype,
+    for i, grad, out in sparse:
+        new = torch.sparse_coo_tensor(grad._indices(), out, grad.shape, dtype=out.dtype,
                                       device=out.device, check_invariants=False)
         earlier = work.assign[i][2]
         results[i] = new if earlier is None else earlier + new

@@ -163,6 +163,33 @@ def measure(key: str, dtype: torch.dtype, reps: int, inner: int) -> list[str]:
             + [" / ".join(f"{opt[n]:.2f}" for n in CONFIGS)])
 
 
+def swap_cost(rounds: int = 200) -> str:
+    """The fixed per-step cost of running a for-loop step outside O1 (`ampx.suspend`)."""
+    from ampx import suspend
+
+    amp = ampx.Amp("O1", dtype=torch.bfloat16, verbosity=0)
+    amp.initialize(nn.Linear(2, 2))
+    try:
+        originals = patch.active().patches.originals()  # type: ignore[union-attr]
+        start = time.perf_counter()
+        for _ in range(rounds):
+            suspend.suspend()
+            suspend.resume()
+        total = (time.perf_counter() - start) / rounds
+        dunders = [(o, n, v) for o, n, v in originals if o is torch.Tensor and n.startswith("__")]
+        wrappers = [getattr(o, n) for o, n, _ in dunders]
+        start = time.perf_counter()
+        for _ in range(rounds):
+            for (owner, name, value), wrapper in zip(dunders, wrappers):
+                setattr(owner, name, value)
+                setattr(owner, name, wrapper)
+        dunder = (time.perf_counter() - start) / rounds
+    finally:
+        amp.restore()
+    return (f"O1 step swap (suspend + resume, {len(originals)} attributes): {total * 1e6:.0f} us "
+            f"per step, of which the {len(dunders)} Tensor operator dunders {dunder * 1e6:.0f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30, help="timed interleaved rounds")
@@ -188,6 +215,7 @@ def main() -> None:
         print("| " + " | ".join(measure(key, dtype, args.reps, inner)) + " |", flush=True)
     print()
     print("times: median (25th-75th percentile) per step; ratios: median of per-round ratios")
+    print(swap_cost())
     print("load average after: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
 
 

@@ -43,11 +43,16 @@ def data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
 
 
-def make(level: str, dtype: torch.dtype, opt_cls: Any = torch.optim.AdamW) -> tuple:
+def make(level: str, dtype: torch.dtype, opt_cls: Any = torch.optim.AdamW,
+         loss_scale: Any = "dynamic") -> tuple:
+    """A session; a static scale of 1 keeps skipping non-finite steps (fp16 O1 would short-
+    circuit like apex otherwise: no check at all)."""
     torch.manual_seed(0)
     model = mlp()
     opt = opt_cls(model.parameters(), lr=1e-2)
-    amp = ampx.Amp(level, dtype=dtype, loss_scale="dynamic", verbosity=0, init_scale=2.0**8)
+    skip = None if loss_scale == "dynamic" else True
+    amp = ampx.Amp(level, dtype=dtype, loss_scale=loss_scale, verbosity=0, init_scale=2.0**8,
+                   skip_non_finite=skip)
     model, opt = amp.initialize(model, opt)
     return amp, model, opt
 
@@ -127,8 +132,9 @@ def first_pass(amp: ampx.Amp, model: nn.Module, opt: Any, delayed: bool) -> None
     backward(amp, model, opt, 1, delay_unscale=delayed)
 
 
-def uninterrupted(level: str, dtype: torch.dtype, delayed: bool) -> dict[str, Any]:
-    amp, model, opt = make(level, dtype)
+def uninterrupted(level: str, dtype: torch.dtype, delayed: bool,
+                  loss_scale: Any = "dynamic") -> dict[str, Any]:
+    amp, model, opt = make(level, dtype, loss_scale=loss_scale)
     head(amp, model, opt)
     first_pass(amp, model, opt, delayed)
     scenario(amp, model, opt)
@@ -137,11 +143,12 @@ def uninterrupted(level: str, dtype: torch.dtype, delayed: bool) -> dict[str, An
     return snapshot(amp, model, opt)
 
 
+@pytest.mark.parametrize("loss_scale", ["dynamic", 1.0], ids=["dynamic", "unit"])
 @pytest.mark.parametrize("delayed", [False, True], ids=["accumulate", "after-delay"])
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_fault_in_every_kernel_call_leaves_state_bitwise_unchanged(
-        backend: str, level: str, exc: type[BaseException], delayed: bool,
+        backend: str, level: str, exc: type[BaseException], delayed: bool, loss_scale: Any,
         half_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """A failed pass leaves everything as before it; a failed master copy rolls forward.
 
@@ -149,9 +156,9 @@ def test_fault_in_every_kernel_call_leaves_state_bitwise_unchanged(
     them), so a pass that fails after its backward ran drops the whole update instead: the
     state is bitwise that of before the first delayed pass.
     """
-    expected = uninterrupted(level, half_dtype, delayed)
+    expected = uninterrupted(level, half_dtype, delayed, loss_scale)
     with monkeypatch.context() as m:
-        amp, model, opt = make(level, half_dtype)
+        amp, model, opt = make(level, half_dtype, loss_scale=loss_scale)
         head(amp, model, opt)
         first_pass(amp, model, opt, delayed)
         counter = Faults(m)
@@ -159,7 +166,7 @@ def test_fault_in_every_kernel_call_leaves_state_bitwise_unchanged(
         total = counter.calls
     assert total >= 2  # unscale, scale update (and the O2 master copy)
     for at in range(total):
-        amp, model, opt = make(level, half_dtype)
+        amp, model, opt = make(level, half_dtype, loss_scale=loss_scale)
         head(amp, model, opt)
         start = snapshot(amp, model, opt)
         first_pass(amp, model, opt, delayed)
@@ -176,6 +183,42 @@ def test_fault_in_every_kernel_call_leaves_state_bitwise_unchanged(
         # else: the fault was in the step's master copy, which rolled forward
         backward(amp, model, opt, 3)
         opt.step()
+        assert same(snapshot(amp, model, opt), expected), f"fault at kernel call {at}"
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_fault_in_a_pass_checked_in_place_leaves_state_unchanged(
+        backend: str, level: str, exc: type[BaseException], half_dtype: torch.dtype,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a static scale of 1 a fresh pass checks its gradients in place (no copy); a fault
+    in any kernel call of that pass or its step still leaves everything as before it."""
+    def fresh_pass_and_step(amp: ampx.Amp, model: nn.Module, opt: Any) -> None:
+        backward(amp, model, opt, 5)
+        opt.step()
+
+    amp, model, opt = make(level, half_dtype, loss_scale=1.0)
+    head(amp, model, opt)
+    fresh_pass_and_step(amp, model, opt)
+    expected = snapshot(amp, model, opt)
+    with monkeypatch.context() as m:
+        amp, model, opt = make(level, half_dtype, loss_scale=1.0)
+        head(amp, model, opt)
+        counter = Faults(m)
+        fresh_pass_and_step(amp, model, opt)
+        total = counter.calls
+    assert total >= 2
+    for at in range(total):
+        amp, model, opt = make(level, half_dtype, loss_scale=1.0)
+        head(amp, model, opt)
+        before = snapshot(amp, model, opt)
+        with monkeypatch.context() as m:
+            Faults(m, at, exc)
+            with pytest.raises(exc, match="injected"):
+                fresh_pass_and_step(amp, model, opt)
+        if opt._ampx.steps == 1:  # the fault was in the pass
+            assert same(snapshot(amp, model, opt), before), at
+            fresh_pass_and_step(amp, model, opt)
         assert same(snapshot(amp, model, opt), expected), f"fault at kernel call {at}"
 
 
