@@ -4,20 +4,19 @@ The torch namespace is the one process-global thing ampx touches. Every replacem
 through a `PatchSet`, which remembers whether the attribute was the owner's own or inherited,
 so `restore()` puts back the very same objects (or deletes what was inherited). At most one
 set of O1 patches is active per process (`activate` replaces the previous one cleanly). The
-cast policies live in `policies.py`, the wrapper closures in `wrappers.py`.
+cast policies live in `policies.py`, the wrapper closures in `wrappers.py`, what a session
+does to torch's compiler in `compile_state.py`.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
-import sys
 from typing import Any, Callable, TypeVar
 
 import torch
 import wrapt
 
-from .cast_regions import run_region_frames_as_python
+from . import compile_state
 from .casting import WeightCastCache
 from .lists import ListEntry, Policy, owner_object, resolve
 from .policies import CastConfig, Caster, CastError, casts_disabled, disable_casts
@@ -227,77 +226,6 @@ def _data_property(session: O1Patches) -> property:
 _ACTIVE: O1Patches | None = None
 # (id(owner), name) -> (owner, name, policy); kept across initialize/restore cycles.
 _USER_REGISTRY: dict[tuple[int, str], tuple[Any, str, Policy]] = {}
-_PRE_IMPORTS = (
-    # Modules that capture torch functions by identity at import: dynamo's trace rules (a
-    # captured wrapper would be "skipped" for good), inductor's extern kernels (mm, bmm...),
-    # the TorchScript-compiled jvp decompositions. Imported before the first patch.
-    "torch._dynamo",
-    "torch._inductor.select_algorithm",
-    "torch._inductor.kernel.mm",
-    "torch._inductor.kernel.bmm",
-    "torch._decomp.decompositions_for_jvp",
-)
-_prepared = False
-_RULE_MAP: list[Any] = [None]  # the rule map built before the active session's patches
-
-
-def _prepare_torch() -> None:
-    global _prepared
-    if not _prepared:
-        for name in _PRE_IMPORTS:
-            try:
-                importlib.import_module(name)
-            except Exception as exc:  # a torch build without the compiler: nothing to protect
-                logger.debug("ampx: could not import %s before patching: %s", name, exc)
-        if "torch._dynamo" in sys.modules:
-            run_region_frames_as_python()
-        _prepared = True
-    rules = sys.modules.get("torch._dynamo.trace_rules")
-    if rules is not None:
-        # dynamo's map of torch functions is cached on first use, and torch clears it at
-        # times (init_process_group): build it from the originals before patching.
-        _RULE_MAP[0] = rules.get_torch_obj_rule_map()
-
-
-def _reset_compiled() -> None:
-    # dynamo does not guard Tensor-method patches: frames compiled with other patches (or
-    # none) must go when a session starts or ends.
-    if "torch._dynamo" in sys.modules:
-        torch.compiler.reset()
-
-
-_CACHE_FLAGS = ("enable_autograd_cache", "enable_remote_autograd_cache")
-_SAVED_FLAGS: dict[str, Any] = {}
-
-
-def _hold_autograd_cache(hold: bool) -> None:
-    # AOTAutograd's cache (memory and disk) is keyed on dynamo's graph, where a Tensor method
-    # is a plain call (its wrapper runs only while AOT traces): off during a session, or it
-    # serves a session's graphs to the next session and to plain code (other processes too).
-    config: Any = sys.modules.get("torch._functorch.config")
-    if config is None:
-        return
-    if hold:
-        for flag in _CACHE_FLAGS:
-            if flag not in _SAVED_FLAGS and hasattr(config, flag):
-                _SAVED_FLAGS[flag] = getattr(config, flag)
-                setattr(config, flag, False)
-    else:
-        for flag, value in _SAVED_FLAGS.items():
-            setattr(config, flag, value)
-        _SAVED_FLAGS.clear()
-
-
-def _drop_rules_built_during_session() -> None:
-    # A rule map rebuilt while patched holds the session's wrappers as torch functions and
-    # lacks the originals ("does not know how to trace builtin torch.layer_norm"): forget it.
-    rules: Any = sys.modules.get("torch._dynamo.trace_rules")
-    if rules is not None and rules.get_torch_obj_rule_map.cache_info().currsize:
-        if rules.get_torch_obj_rule_map() is not _RULE_MAP[0]:
-            rules.clear_lru_cache()
-    _RULE_MAP[0] = None
-
-
 def active() -> O1Patches | None:
     """The installed O1 patches, or None."""
     return _ACTIVE
@@ -310,7 +238,7 @@ def activate(config: CastConfig) -> O1Patches:
     torch's namespaces are as they were before the call.
     """
     global _ACTIVE
-    _prepare_torch()
+    compile_state.prepare()
     previous = _ACTIVE
     deactivate()
     patches = O1Patches(config)
@@ -321,12 +249,12 @@ def activate(config: CastConfig) -> O1Patches:
         if previous is not None:
             previous.install(resolve())
             _ACTIVE = previous
-            _hold_autograd_cache(True)
+            compile_state.hold_autograd_cache(True)
         raise
     finally:
-        _reset_compiled()
+        compile_state.reset_compiled()
     _ACTIVE = patches
-    _hold_autograd_cache(True)
+    compile_state.hold_autograd_cache(True)
     logger.debug("ampx: installed %d O1 patches (%s)", len(patches.patches), config.dtype)
     return patches
 
@@ -339,9 +267,9 @@ def deactivate() -> None:
         try:
             patches.uninstall()
         finally:
-            _drop_rules_built_during_session()
-            _hold_autograd_cache(False)
-            _reset_compiled()
+            compile_state.drop_rules_built_during_session()
+            compile_state.hold_autograd_cache(False)
+            compile_state.reset_compiled()
 
 
 def clear_cache() -> None:
