@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -473,6 +474,23 @@ def test_inductor_caches_serve_no_graph_across_sessions() -> None:
             got.append([t.dtype for t in compiled(x, w)])
             ampx.restore()
     assert got == [[torch.bfloat16, torch.bfloat16, torch.float32], [torch.float32] * 3]
+
+
+def test_region_around_a_compiled_call_is_per_thread() -> None:
+    """The guarded depth is this thread's: another thread calling the same compiled function
+    meanwhile gets O1's casts (its own compile), and this thread keeps the region's graph."""
+    _o1(torch.bfloat16)
+    compiled = torch.compile(_methods_only, backend="aot_eager", fullgraph=True)
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    other: list[tuple[torch.Tensor, ...]] = []
+    with ampx.disable_casts():
+        inside = compiled(x, w)
+        thread = threading.Thread(target=lambda: other.append(compiled(x, w)))
+        thread.start()
+        thread.join()
+        again = compiled(x, w)
+    assert [t.dtype for t in inside] == [t.dtype for t in again] == [torch.float32] * 3
+    assert [t.dtype for t in other[0]] == [torch.bfloat16, torch.bfloat16, torch.float32]
 
 
 _POISONING = textwrap.dedent("""
