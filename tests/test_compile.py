@@ -327,9 +327,12 @@ def test_disable_casts_inside_a_compiled_function(backend: str) -> None:
     half, fp32 = torch.bfloat16, torch.float32
     assert [t.dtype for t in expected] == [half, fp32, fp32, half, fp32, fp32, half, half,
                                            half, half, fp32, fp32, half]
-    with torch._inductor.config.patch(compile_threads=1):  # no compile-worker pool
+    lowered = _PostGrad()  # inductor: the graph it lowers holds no region op
+    with torch._inductor.config.patch(compile_threads=1, post_grad_custom_post_pass=lowered):
         got = torch.compile(_with_region, backend=backend, fullgraph=True)(x, w, y)
     assert [t.dtype for t in got] == [t.dtype for t in expected]
+    assert len(lowered.traces) == (backend == "inductor")
+    assert not any(name == "disable_casts_region" for t in lowered.traces for name, _ in t)
     tol = 0 if backend != "inductor" else 1e-2
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
@@ -415,6 +418,29 @@ def test_exception_inside_a_compiled_region(backend: str) -> None:
         torch.ops.ampx.disable_casts_region(-1)
     assert left_on is (backend == "eager")
     assert not cast_regions.casts_disabled()
+
+
+def test_region_op_is_in_dynamo_graph_only() -> None:
+    """The region op marks the region in dynamo's graph (entry, exit); it decomposes to
+    nothing, so AOT's forward graph holds none."""
+    _o1(torch.bfloat16)
+    counts: dict[str, int] = {}
+
+    def count(name: str) -> Callable[[torch.fx.GraphModule, Any], Any]:
+        def compiler(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+            counts[name] = sum("disable_casts_region" in str(n.target) for n in gm.graph.nodes)
+            return make_boxed_func(gm.forward) if name == "aot" else gm.forward
+        return compiler
+
+    aot = aot_autograd(fw_compiler=count("aot"))
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        count("dynamo")(gm, inputs)
+        return aot(gm, inputs)
+
+    x, w, y = torch.randn(3, 4), torch.randn(4, 4), torch.randn(3, 4).bfloat16()
+    torch.compile(_with_region, backend=backend, fullgraph=True)(x, w, y)
+    assert counts == {"dynamo": 2, "aot": 0}
 
 
 def _region_around(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
