@@ -162,8 +162,14 @@ class WeightCastCache:
     def __len__(self) -> int:
         return sum(len(table) for table in self._tables.values())
 
-    def bind(self, dtype: torch.dtype) -> _TensorCast:
-        """A fast `param -> cached param.to(dtype)` for one dtype (what `cast` calls)."""
+    def bind(self, dtype: torch.dtype,
+             accepts: Callable[[torch.Tensor], bool] | None = None) -> _TensorCast:
+        """A fast `param -> cached param.to(dtype)` for one dtype (what `cast` calls).
+
+        With `accepts`, a miss casts only a tensor it accepts and returns any other as it is
+        (so O1 can hand every `Parameter` straight to the cache: a hit is served before any
+        dtype or device test).
+        """
         table = self._tables.setdefault(dtype, {})
         convert = cast_method(dtype)
         grad_enabled = torch.is_grad_enabled
@@ -189,6 +195,8 @@ class WeightCastCache:
                 ):
                     cache.hits += 1
                     return cast
+            if accepts is not None and not accepts(param):
+                return param
             cast = convert(param)
             cache.misses += 1
             if id(param) not in aliased:

@@ -26,6 +26,7 @@ __all__ = ["CastConfig", "CastError", "Caster", "Converter", "LOCAL", "casts_dis
 logger = logging.getLogger("ampx")
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 _HALF_TYPES = frozenset({torch.float16, torch.bfloat16})
 _FLOATING = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _PROMOTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -158,15 +159,25 @@ class Caster:
                 return t
 
             return to_half_compiled
-        cached = self.cache.bind(half)
+        cached = self.cache.bind(half, lambda t: t.dtype in lower_from and eligible(t))
         plain = cast_method(half)
-        verbose = self.config.verbose
+        if self.config.verbose:
+            def to_half_logged(t: torch.Tensor) -> torch.Tensor:
+                if t.dtype not in lower_from or not eligible(t):
+                    return t
+                logger.info("%s->%s (%s)", t.dtype, half, name)
+                return cached(t) if cacheable(t) else plain(t)
+
+            return to_half_logged
+        transforms_active = torch._C._are_functorch_transforms_active
 
         def to_half(t: torch.Tensor) -> torch.Tensor:
+            # Weights first: a cached cast is served before any dtype or device test (the
+            # cache checks those on a miss). Outside torch.func, as `cacheable` requires.
+            if type(t) is _Parameter and not transforms_active():
+                return cached(t)
             if t.dtype not in lower_from or not eligible(t):
                 return t
-            if verbose:
-                logger.info("%s->%s (%s)", t.dtype, half, name)
             return cached(t) if cacheable(t) else plain(t)
 
         return to_half

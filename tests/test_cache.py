@@ -194,3 +194,21 @@ def test_fake_tensors_are_never_cached() -> None:
         lin = nn.Linear(4, 4)
         out = lin(mode.from_tensor(torch.rand(2, 4)))
     assert out.dtype == torch.bfloat16 and len(cache) == 0
+
+
+def test_parameters_the_lists_do_not_lower_are_never_cast_or_cached(half_dtype: torch.dtype
+                                                                     ) -> None:
+    """Weights go to the cache before any dtype or device test; a miss still applies them."""
+    _session(nn.Linear(2, 2), half_dtype)
+    cache = _cache()
+    x = torch.rand(2, 3, dtype=torch.float64)
+    wide = nn.Parameter(torch.rand(4, 3, dtype=torch.float64))
+    assert F.linear(x, wide).dtype == torch.float64  # float64 is never cast
+    low = nn.Parameter(torch.rand(4, 3).to(half_dtype))
+    assert F.linear(torch.rand(2, 3), low).dtype == half_dtype
+    assert len(cache) == 0 and cache.misses == 0
+    other = patch.Caster(patch.CastConfig(half_dtype, frozenset({"cuda"})))
+    cpu_weight = nn.Parameter(torch.rand(4, 3))
+    assert other.half_cast()(cpu_weight) is cpu_weight  # not a device this session casts
+    assert len(other.cache) == 0
+    ampx.restore()
