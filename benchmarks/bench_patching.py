@@ -89,6 +89,42 @@ def measure(name: str, model: nn.Module, x: torch.Tensor, dtype: torch.dtype,
     return {mode: statistics.median(values) for mode, values in times.items()}
 
 
+def per_call(dtype: torch.dtype, rounds: int = 7, calls: int = 20000) -> str:
+    """Overhead of one patched call over the plain one: `F.linear(x, w, b)` on 2x2 tensors.
+
+    The plain call gets weights already cast (requiring grad, as the cache serves them); O1
+    gets the fp32 parameters (two cache hits per call); autocast gets them too (its own
+    cache). Best of `rounds` rounds of `calls` calls each, configurations interleaved.
+    """
+    x = torch.randn(2, 2).to(dtype)
+    w, b = nn.Parameter(torch.randn(2, 2)), nn.Parameter(torch.randn(2))
+    cw, cb = w.to(dtype), b.to(dtype)
+    linear = torch.nn.functional.linear
+    config = patch.CastConfig(dtype=dtype, device_types=frozenset({"cpu"}))
+    best = {"plain": 1e9, "ampx": 1e9, "autocast": 1e9}
+    for _ in range(rounds):
+        for mode in best:
+            if mode == "ampx":
+                patch.activate(config)
+            ctx = torch.autocast("cpu", dtype=dtype) if mode == "autocast" else nullcontext()
+            call = torch.nn.functional.linear  # the O1 wrapper while activated
+            args = (x, cw, cb) if mode == "plain" else (x, w, b)
+            try:
+                with ctx:
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        call(*args)
+                    best[mode] = min(best[mode], (time.perf_counter() - start) / calls)
+            finally:
+                if mode == "ampx":
+                    patch.deactivate()
+    assert torch.nn.functional.linear is linear
+    plain = best["plain"]
+    return (f"per call, F.linear on 2x2 with two fp32 weights: plain {plain * 1e6:.2f} us; "
+            f"O1 +{(best['ampx'] - plain) * 1e6:.2f} us; "
+            f"autocast +{(best['autocast'] - plain) * 1e6:.2f} us over the plain call")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
@@ -111,6 +147,7 @@ def main() -> None:
         print(f"{name:34} {t['fp32'] * 1e3:9.3f} {t['autocast'] * 1e3:12.3f} "
               f"{t['ampx'] * 1e3:11.3f} {t['autocast'] / t['fp32']:14.2f} "
               f"{t['ampx'] / t['fp32']:8.2f} {t['ampx'] / t['autocast']:12.2f}")
+    print(per_call(dtype))
 
 
 if __name__ == "__main__":
