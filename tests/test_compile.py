@@ -290,10 +290,12 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
 
 # dynamo reads .grad of a non-leaf output while tracing O2's output-cast hook (torch-internal).
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 @pytest.mark.parametrize("level", ["O1", "O2"])
 @pytest.mark.parametrize("half", list(HALVES.values()), ids=list(HALVES))
-def test_compiled_training_step_matches_eager(level: str, half: torch.dtype) -> None:
-    """Model compiled (aot_eager: forward and backward graphs), scale_loss and step eager."""
+def test_compiled_training_step_matches_eager(level: str, half: torch.dtype,
+                                              backend: str) -> None:
+    """Model compiled (forward and backward graphs), scale_loss and step eager: 5 steps."""
     base = MLP()
     eager_model, compiled_model = copy.deepcopy(base), copy.deepcopy(base)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager_model, compiled_model)]
@@ -301,7 +303,7 @@ def test_compiled_training_step_matches_eager(level: str, half: torch.dtype) -> 
                                    dtype=half, verbosity=0)
     x, y = torch.randn(4, 16), torch.rand(4, 8)
     expected = _train(models[0], opts[0], x, y)
-    compiled = torch.compile(models[1], backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(models[1], backend=backend, fullgraph=True)
     got = _train(compiled, opts[1], x, y)  # type: ignore[arg-type]
     tol = 1e-2 if half is torch.bfloat16 else 1e-3
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
