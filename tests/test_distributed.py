@@ -10,6 +10,7 @@ overflow flag) and end with bitwise identical parameters and state dicts.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import logging
@@ -216,8 +217,14 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
     dist.all_gather_object(gathered, results)
     if rank == 0:
         pathlib.Path(out_dir, "results.json").write_text(json.dumps(gathered))
+    # Gloo work still referenced when the interpreter tears down aborts the process
+    # ("terminate called without an active exception"): free the DDP reducers while the
+    # group lives, let both ranks get here, and skip the teardown.
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 # -- the tests -------------------------------------------------------------------------------------
