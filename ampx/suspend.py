@@ -20,6 +20,8 @@ __all__ = ["for_loop", "resume", "suspend"]
 
 # The suspended installation and, per swapped attribute, (owner, name, its wrapper).
 _SUSPENDED: list[tuple[patch.O1Patches, list[tuple[Any, str, Any]]]] = []
+
+
 def for_loop(optimizer: torch.optim.Optimizer) -> bool:
     """True unless every parameter group asks for the foreach or fused implementation."""
     return not all(group.get("foreach") or group.get("fused")
