@@ -10,23 +10,17 @@ overflow flag) and end with bitwise identical parameters and state dicts.
 from __future__ import annotations
 
 import contextlib
-import gc
 import hashlib
-import json
 import logging
-import os
-import pathlib
-import subprocess
 import sys
 from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
+from _two_ranks import WORLD, finish, launch
 from torch import nn
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-WORLD = 2
 POISON_STEP = 2
 # (case name, opt level, dtype, whether rank 1 gets an inf at POISON_STEP, sync_overflow)
 DDP_CASES = [
@@ -213,18 +207,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
     results["wrapper"] = _wrapper_case(rank)
     results["fsdp2"] = _fsdp2_case(rank)
     results["logs"] = records.lines
-    gathered: list[Any] = [None] * WORLD
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        pathlib.Path(out_dir, "results.json").write_text(json.dumps(gathered))
-    # Gloo work still referenced when the interpreter tears down aborts the process
-    # ("terminate called without an active exception"): free the DDP reducers while the
-    # group lives, let both ranks get here, and skip the teardown.
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    finish(rank, results, out_dir)
 
 
 # -- the tests -------------------------------------------------------------------------------------
@@ -233,27 +216,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
-    out = tmp_path_factory.mktemp("dist")
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = [
-        subprocess.Popen([sys.executable, __file__, str(rank), str(out / "store"), str(out)],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in range(WORLD)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=240)[0])
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        pytest.fail("distributed workers timed out:\n" + "\n".join(logs))
-    if any(proc.returncode for proc in procs):
-        pytest.fail("distributed workers failed:\n" + "\n----\n".join(logs))
-    return json.loads((out / "results.json").read_text())
+    return launch(__file__, tmp_path_factory.mktemp("dist"))
 
 
 @pytest.mark.slow

@@ -14,21 +14,15 @@ overflow flag) and `ampx.last_overflow` carries the flags-by-rank table:
 
 from __future__ import annotations
 
-import gc
-import json
 import math
-import os
-import pathlib
-import subprocess
 import sys
 from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
+from _two_ranks import WORLD, finish, launch
 from torch import nn
-
-WORLD = 2
 
 
 def _case(rank: int, level: str, where: str) -> dict[str, Any]:
@@ -94,44 +88,14 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
     results = {f"{level}-{where}": _case(rank, level, where)
                for level in ("O1", "O2") for where in ("after", "before")}
     results["fsdp2"] = _fsdp2_case(rank)
-    gathered: list[Any] = [None] * WORLD
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        pathlib.Path(out_dir, "results.json").write_text(json.dumps(gathered))
-    # Gloo work still referenced when the interpreter tears down aborts the process
-    # ("terminate called without an active exception", about one CI run in twenty): free the
-    # DDP reducers while the group lives, let both ranks get here, and skip the teardown.
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    finish(rank, results, out_dir)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
-    out = tmp_path_factory.mktemp("dist")
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
-    if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = [subprocess.Popen([sys.executable, __file__, str(rank), str(out / "store"),
-                               str(out)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for rank in range(WORLD)]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=240)[0])
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        pytest.fail("distributed workers timed out:\n" + "\n".join(logs))
-    if any(proc.returncode for proc in procs):
-        pytest.fail("distributed workers failed:\n" + "\n----\n".join(logs))
-    return json.loads((out / "results.json").read_text())
+    return launch(__file__, tmp_path_factory.mktemp("dist"))
 
 
 @pytest.mark.slow
