@@ -116,6 +116,16 @@ class Faults:
         return call
 
 
+def kernel_calls(monkeypatch: pytest.MonkeyPatch, prepare: Callable[[], tuple],
+                 run: Callable[..., None]) -> int:
+    """How many kernel calls `run(*prepare())` makes (the calls a fault can be injected in)."""
+    with monkeypatch.context() as m:
+        state = prepare()
+        counter = Faults(m)
+        run(*state)
+        return counter.calls
+
+
 def scenario(amp: ampx.Amp, model: nn.Module, opt: Any) -> None:
     """The interrupted part: a pass (accumulating onto the previous one), then the step."""
     backward(amp, model, opt, 2)
@@ -157,13 +167,14 @@ def test_fault_in_every_kernel_call_leaves_state_bitwise_unchanged(
     state is bitwise that of before the first delayed pass.
     """
     expected = uninterrupted(level, half_dtype, delayed, loss_scale)
-    with monkeypatch.context() as m:
+
+    def prepare() -> tuple:
         amp, model, opt = make(level, half_dtype, loss_scale=loss_scale)
         head(amp, model, opt)
         first_pass(amp, model, opt, delayed)
-        counter = Faults(m)
-        scenario(amp, model, opt)
-        total = counter.calls
+        return amp, model, opt
+
+    total = kernel_calls(monkeypatch, prepare, scenario)
     assert total >= 2  # unscale, scale update (and the O2 master copy)
     for at in range(total):
         amp, model, opt = make(level, half_dtype, loss_scale=loss_scale)
@@ -201,12 +212,12 @@ def test_fault_in_a_pass_checked_in_place_leaves_state_unchanged(
     head(amp, model, opt)
     fresh_pass_and_step(amp, model, opt)
     expected = snapshot(amp, model, opt)
-    with monkeypatch.context() as m:
+    def prepare() -> tuple:
         amp, model, opt = make(level, half_dtype, loss_scale=1.0)
         head(amp, model, opt)
-        counter = Faults(m)
-        fresh_pass_and_step(amp, model, opt)
-        total = counter.calls
+        return amp, model, opt
+
+    total = kernel_calls(monkeypatch, prepare, fresh_pass_and_step)
     assert total >= 2
     for at in range(total):
         amp, model, opt = make(level, half_dtype, loss_scale=1.0)
