@@ -126,6 +126,15 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch, prepare: Callable[[], tuple],
         return counter.calls
 
 
+def fail_at(monkeypatch: pytest.MonkeyPatch, at: int, exc: type[BaseException],
+            run: Callable[..., None], *state: Any) -> None:
+    """Run `run(*state)` with kernel call number `at` raising `exc`; it must propagate."""
+    with monkeypatch.context() as m:
+        Faults(m, at, exc)
+        with pytest.raises(exc, match="injected"):
+            run(*state)
+
+
 def scenario(amp: ampx.Amp, model: nn.Module, opt: Any) -> None:
     """The interrupted part: a pass (accumulating onto the previous one), then the step."""
     backward(amp, model, opt, 2)
@@ -182,10 +191,7 @@ def test_fault_in_every_kernel_call_leaves_state_bitwise_unchanged(
         start = snapshot(amp, model, opt)
         first_pass(amp, model, opt, delayed)
         before = snapshot(amp, model, opt)
-        with monkeypatch.context() as m:
-            Faults(m, at, exc)
-            with pytest.raises(exc, match="injected"):
-                scenario(amp, model, opt)
+        fail_at(monkeypatch, at, exc, scenario, amp, model, opt)
         if opt._ampx.steps == 1:  # the fault was in the pass
             assert same(snapshot(amp, model, opt), start if delayed else before), at
             if delayed:
@@ -223,10 +229,7 @@ def test_fault_in_a_pass_checked_in_place_leaves_state_unchanged(
         amp, model, opt = make(level, half_dtype, loss_scale=1.0)
         head(amp, model, opt)
         before = snapshot(amp, model, opt)
-        with monkeypatch.context() as m:
-            Faults(m, at, exc)
-            with pytest.raises(exc, match="injected"):
-                fresh_pass_and_step(amp, model, opt)
+        fail_at(monkeypatch, at, exc, fresh_pass_and_step, amp, model, opt)
         if opt._ampx.steps == 1:  # the fault was in the pass
             assert same(snapshot(amp, model, opt), before), at
             fresh_pass_and_step(amp, model, opt)
