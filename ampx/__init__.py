@@ -11,84 +11,23 @@ Example::
 Importing ampx changes nothing in torch, and imports neither torch nor ampx's modules: each
 public name is loaded on first use (PEP 562), so `ampx --help` starts fast. Patching happens
 in `initialize` and is undone by `restore`.
+
+The public names are listed once, in the `TYPE_CHECKING` block below: type checkers read it as
+imports, and `__getattr__` reads the same block (from this file's source, on first use) to know
+which module defines each name.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
-# public name -> the module defining it
-_EXPORTS: dict[str, str] = {
-    # the object API and configuration
-    "Amp": "session",
-    "CastError": "patch",
-    "CheckpointError": "checkpoint",
-    "LossScaler": "scaler",
-    "OptLevel": "opt_levels",
-    "OptionError": "opt_levels",
-    "OverflowPersistsError": "overflow_policy",
-    "OverflowReport": "overflow",
-    "Properties": "opt_levels",
-    "UnknownOptionError": "opt_levels",
-    # apex's module functions (also in ampx.amp) and ampx's additions
-    "add_args": "compat.options",
-    "deinitialize": "frontend",
-    "disable_casts": "patch",
-    "float_function": "patch",
-    "half_function": "patch",
-    "initialize": "frontend",
-    "last_overflow": "overflow_session",
-    "load_state_dict": "frontend",
-    "master_params": "optimizer",
-    "promote_function": "patch",
-    "register_float_function": "patch",
-    "register_half_function": "patch",
-    "register_promote_function": "patch",
-    "restore": "frontend",
-    "scale_loss": "frontend",
-    "state_dict": "frontend",
-    "step_was_skipped": "frontend",
-}
-
-__all__ = [
-    "Amp",
-    "CastError",
-    "CheckpointError",
-    "LossScaler",
-    "OptLevel",
-    "OptionError",
-    "OverflowPersistsError",
-    "OverflowReport",
-    "Properties",
-    "UnknownOptionError",
-    "add_args",
-    "amp",
-    "deinitialize",
-    "disable_casts",
-    "float_function",
-    "half_function",
-    "initialize",
-    "last_overflow",
-    "load_state_dict",
-    "master_params",
-    "promote_function",
-    "register_float_function",
-    "register_half_function",
-    "register_promote_function",
-    "restore",
-    "scale_loss",
-    "state_dict",
-    "step_was_skipped",
-]
-
-if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
+if TYPE_CHECKING:  # THE list of public names (see the module docstring)
     from . import amp
-    from .checkpoint import CheckpointError
-    from .compat.options import add_args
     from .frontend import (
         deinitialize,
         initialize,
@@ -98,12 +37,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
         state_dict,
         step_was_skipped,
     )
-    from .opt_levels import OptionError, OptLevel, Properties, UnknownOptionError
-    from .optimizer import master_params
-    from .overflow import OverflowReport
-    from .overflow_policy import OverflowPersistsError
-    from .overflow_session import last_overflow
-    from .patch import (
+    from .o1.patch import (
         CastError,
         disable_casts,
         float_function,
@@ -113,17 +47,45 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
         register_half_function,
         register_promote_function,
     )
-    from .scaler import LossScaler
+    from .options.flags import add_args
+    from .options.levels import OptionError, OptLevel, Properties, UnknownOptionError
+    from .overflow.policy import OverflowPersistsError
+    from .overflow.report import OverflowReport
+    from .overflow.watch import last_overflow
+    from .scaling.checkpoint import CheckpointError
+    from .scaling.protocol import master_params
+    from .scaling.scaler import LossScaler
     from .session import Amp
+
+
+@functools.cache
+def _exports() -> dict[str, str]:
+    """Public name -> the submodule defining it, read from the `TYPE_CHECKING` block above."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    block = next(node for node in tree.body if isinstance(node, ast.If)
+                 and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+    found: dict[str, str] = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom)
+        for alias in node.names:
+            found[alias.name] = node.module or alias.name  # `from . import amp`: a submodule
+    return found
 
 
 def __getattr__(name: str) -> Any:
     """Load a public name (or a submodule such as `ampx.amp`) on first access."""
-    module = _EXPORTS.get(name)
+    if name == "__all__":
+        return sorted(_exports())
+    module = _exports().get(name)
     if module is None:
         if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
         value: Any = importlib.import_module(f"{__name__}.{name}")
+    elif module == name:
+        value = importlib.import_module(f"{__name__}.{name}")
     else:
         value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
@@ -131,4 +93,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *_exports()})

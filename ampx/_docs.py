@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from . import opt_levels
-from .opt_levels import OptionError, OptLevel, resolve_properties
+from .options import levels as opt_levels
+from .options.levels import OptionError, OptLevel, resolve_properties
+from .options.values import dtype_name
 
 __all__ = ["main", "opt_levels_markdown", "property_table"]
 
@@ -48,7 +49,7 @@ _OVERRIDE_RULES: tuple[tuple[str, str], ...] = (
 
 
 def _short(value: Any) -> str:
-    return str(value).replace("torch.", "")
+    return dtype_name(value) if isinstance(value, torch.dtype) else str(value)
 
 
 def property_table() -> list[tuple[str, dict[str, str]]]:
@@ -99,7 +100,7 @@ def _apex_messages() -> list[str]:
 
 
 def opt_levels_markdown() -> str:
-    """The text of docs/opt-levels.md, generated from `ampx.opt_levels`."""
+    """The text of docs/opt-levels.md, generated from `ampx.options.levels`."""
     levels = [level.value for level in OptLevel]
     lines = [
         "# Opt levels", "",
@@ -114,7 +115,7 @@ def opt_levels_markdown() -> str:
     lines += [f"| {level.value} | {opt_levels.brief(level)} |" for level in OptLevel]
     lines += [
         "", "## Properties of each level", "",
-        "Generated from `ampx.opt_levels.resolve_properties`; \"(bf16: x)\" is the value",
+        "Generated from `ampx.options.levels.resolve_properties`; \"(bf16: x)\" is the value",
         "when `dtype=torch.bfloat16` differs from the float16 one.", "",
         "| property | " + " | ".join(levels) + " |",
         "| --- | " + " | ".join("---" for _ in levels) + " |",
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(opt_levels_markdown())
         return 0
     if args == ["cast-lists"]:
-        from . import lists
+        from .o1 import lists
 
         sys.stdout.write(lists.markdown())
         return 0

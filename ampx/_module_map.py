@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent
 
 
 def modules() -> dict[str, Path]:
-    """Every module of the package by dotted name (`ampx.compat.fairseq`), sorted."""
+    """Every module of the package by dotted name (`ampx.compat.fairseq.optimizer`), sorted."""
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)

@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .frontend import default_session, initialize, load_state_dict, scale_loss, state_dict
-from .optimizer import master_params
-from .patch import (
+from .o1.patch import (
     disable_casts,
     float_function,
     half_function,
@@ -22,6 +21,7 @@ from .patch import (
     register_half_function,
     register_promote_function,
 )
+from .scaling.protocol import master_params
 
 __all__ = [
     "disable_casts",
@@ -39,7 +39,6 @@ __all__ = [
     "state_dict",
 ]
 
-__version__ = "0.1.0"  # apex.amp's version string was 0.1.0 as well
 
 
 def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool = True,
@@ -53,7 +52,7 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
     """
     import torch
 
-    from . import patch
+    from .o1 import patch
 
     del loss_scale, enable_caching
     if not enabled:
@@ -90,7 +89,7 @@ class _AmpStateView:
 
     @property
     def handle(self) -> Any:
-        from . import patch
+        from .o1 import patch
 
         return patch.active()
 

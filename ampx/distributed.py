@@ -9,7 +9,7 @@ process group with more than one rank is initialized, unless the session was cre
 
 Gradient accumulation under DDP's `no_sync` must leave the accumulated gradients scaled
 (`scale_loss(..., delay_unscale=True)` for every pass but the last, which is what
-`ampx.compat.fairseq.AmpOptimizer` does): an unscale in a `no_sync` pass moves that pass's
+`ampx.compat.fairseq.optimizer.AmpOptimizer` does): an unscale in a `no_sync` pass moves that pass's
 gradients out of `.grad` (into the masters at O2, into a stash at O1), so DDP's final
 all-reduce would not include them.
 

@@ -2,7 +2,7 @@
 
 Each module-level `initialize` makes a new `ampx.Amp` session the default; all of them share
 apex's one list of loss scalers. This module holds that wiring only: the session itself is
-`ampx.session.Amp`, options are `ampx.opt_levels`'.
+`ampx.session.Amp`, options are `ampx.options.levels`'.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 
-from . import patch
-from .checkpoint import CheckpointError
-from .compat import apex_stash
-from .opt_levels import OptionError, forced_options, set_forced_options
-from .optimizer import amp_state_of, master_params
-from .scaler import LossScaler
+from .o1 import patch
+from .options.forced import ForcedOptions
+from .options.levels import OptionError
+from .registry import SESSIONS
+from .scaling import apex_stash
+from .scaling.checkpoint import CheckpointError
+from .scaling.protocol import amp_state_of, master_params
 from .session import Amp, _optimizer_list
 
 __all__ = [
@@ -43,15 +44,30 @@ logger = logging.getLogger("ampx")
 
 # -- the apex-style module functions (a default session) -----------------------------------------
 
-_DEFAULT: Amp | None = None
-# apex's `_amp_state.loss_scalers`: one list, shared by every session the module-level
-# `initialize` made, refilled by each of them (so `loss_id` means the same scaler for all).
-_SCALERS: list[LossScaler] = []
-
-
 def default_session() -> Amp | None:
     """The session made by the latest module-level `initialize` (None before, or after restore)."""
-    return _DEFAULT
+    return SESSIONS.default
+
+
+def set_forced_options(options: Mapping[str, Any] | ForcedOptions | None) -> None:
+    """Make every later `initialize` use these options instead of the caller's (`ampx run`).
+
+    Args:
+        options: Already parsed `ForcedOptions`, or initialize keyword values to parse (keys:
+            `ampx.options.forced.FORCEABLE`); None or {} clears them.
+
+    Raises:
+        ValueError: For a key that cannot be forced (nothing changes).
+        OptionError: For a bad value (nothing changes).
+    """
+    if not isinstance(options, ForcedOptions):
+        options = ForcedOptions.parse(options)
+    SESSIONS.forced = options
+
+
+def forced_options() -> ForcedOptions:
+    """The options `ampx run` forces on every `initialize` (empty when none)."""
+    return SESSIONS.forced
 
 
 def initialize(
@@ -93,7 +109,6 @@ def initialize(
         RuntimeError: For a DataParallel-wrapped model or an optimizer passed twice.
     Nothing is changed when it raises.
     """
-    global _DEFAULT
     amp = Amp(
         opt_level, enabled=enabled, cast_model_type=cast_model_type,
         patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
@@ -102,10 +117,12 @@ def initialize(
         min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale, **options,
     )
     result = amp.initialize(models, optimizers)
+    # apex's `_amp_state.loss_scalers`: one list, shared by every session the module-level
+    # `initialize` made, refilled by each of them (so `loss_id` means the same scaler for all).
     if amp.enabled:
-        _SCALERS[:] = amp.scalers
-    amp.scalers = _SCALERS
-    previous, _DEFAULT = _DEFAULT, amp
+        SESSIONS.scalers[:] = amp.scalers
+    amp.scalers = SESSIONS.scalers
+    previous, SESSIONS.default = SESSIONS.default, amp
     if previous is not None and not amp.properties.patch_torch_functions and previous.owns_patches:
         # A new default session replaces the old one cleanly: its O1 casts must not leak
         # into a model initialized at another level (an O2 bf16 model under O1 fp16 casts).
@@ -120,13 +137,13 @@ def _session_for(optimizers: Any) -> Amp:
         state = amp_state_of(opt)
         if state is not None and isinstance(state.owner, Amp):
             return state.owner
-    if _DEFAULT is None:
+    if SESSIONS.default is None:
         raise RuntimeError(
             "Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
             "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be called "
             "before `with amp.scale_loss`."
         )
-    return _DEFAULT
+    return SESSIONS.default
 
 
 def scale_loss(
@@ -151,9 +168,9 @@ def scale_loss(
 
 
 def _require_default(api: str) -> Amp:
-    if _DEFAULT is None:
+    if SESSIONS.default is None:
         raise RuntimeError(f"ampx.{api}: call ampx.initialize(...) first.")
-    return _DEFAULT
+    return SESSIONS.default
 
 
 def state_dict(destination: dict | None = None) -> dict[str, Any]:
@@ -190,10 +207,9 @@ def restore() -> None:
     Models and optimizers keep their casts and hooks; the default session is forgotten (the
     optimizers it returned keep using the shared loss scalers until the next `initialize`).
     """
-    global _DEFAULT
     patch.deactivate()
     apex_stash.detach_all()
-    _DEFAULT = None
+    SESSIONS.default = None
 
 
 deinitialize = restore

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import patch
-from .compat import apex_stash
-from .masters import optimizer_params, recast_state
-from .model import MasterMap, ModelCast, cast_model, check_models, device_types_of
-from .opt_levels import OptionError
-from .optimizer import Policy
-from .stepping import attach, check_optimizers
+from .model import ModelCast, cast_model, check_models, device_types_of
+from .o1 import patch
+from .options.levels import OptionError
+from .scaling import apex_stash
+from .scaling.masters import MasterMap, optimizer_params, recast_state
+from .scaling.protocol import SessionHooks
+from .scaling.stepping import attach, check_optimizers
 
 __all__ = ["Inputs", "Prepared", "check_inputs", "prepare"]
 
@@ -100,7 +100,7 @@ def _check_materialized(index: int, model: nn.Module) -> None:
                 "weights) before ampx.initialize.")
 
 
-def prepare(session: Any, inputs: Inputs, policy: Policy) -> Prepared:
+def prepare(session: Any, inputs: Inputs, policy: SessionHooks) -> Prepared:
     """Cast, attach and patch for `session`; all or nothing.
 
     Args:

@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .casting import cast_tree
-from .option_values import HALF_DTYPES
+from .o1.casting import cast_tree
+from .options.values import HALF_DTYPES
+from .scaling.masters import MasterMap
 
-__all__ = ["MasterMap", "ModelCast", "cast_model", "check_models", "device_types_of"]
+__all__ = ["ModelCast", "cast_model", "check_models", "device_types_of"]
 
 logger = logging.getLogger("ampx")
 
@@ -65,36 +66,6 @@ def _floating_tensors(model: nn.Module) -> list[torch.Tensor]:
     tensors: list[torch.Tensor] = [p for p in model.parameters() if p.is_floating_point()]
     tensors += [b for b in model.buffers() if b.is_floating_point()]
     return tensors
-
-
-class MasterMap:
-    """model (half) parameter -> fp32 master, for the O2 split.
-
-    Referenced weakly from module hooks, so copying a model never copies the optimizer's masters.
-    """
-
-    def __init__(self) -> None:
-        self._by_id: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
-
-    def add(self, model_param: nn.Parameter, master: nn.Parameter) -> None:
-        """Record that `master` is the fp32 copy behind `model_param`."""
-        self._by_id[id(model_param)] = (model_param, master)
-
-    def master_of(self, model_param: torch.Tensor) -> nn.Parameter | None:
-        """The master of `model_param`, or None."""
-        entry = self._by_id.get(id(model_param))
-        return entry[1] if entry is not None and entry[0] is model_param else None
-
-    def discard(self, model_param: nn.Parameter) -> None:
-        """Forget the master of `model_param` (initialize's undo, the fp32 fallback)."""
-        self._by_id.pop(id(model_param), None)
-
-    def pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
-        """Every (model_param, master) pair."""
-        return list(self._by_id.values())
-
-    def __len__(self) -> int:
-        return len(self._by_id)
 
 
 class InputCast:

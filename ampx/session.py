@@ -17,22 +17,19 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, distributed, initializer, patch, telemetry
-from .masters import optimizer_params
+from . import distributed, initializer, telemetry
 from .model import ModelCast
-from .opt_levels import (
-    Properties,
-    apply_forced,
-    brief,
-    forced_options,
-    resolve_properties,
-)
-from .optimizer import OptimizerAmpState, Policy, amp_state_of
-from .option_values import HALF_DTYPES
-from .overflow import OverflowReport
-from .overflow_session import OverflowWatch
-from .scaled_pass import ScaledPass
-from .scaler import LossScaler
+from .o1 import patch
+from .options.levels import Properties, brief, resolve_properties
+from .options.values import HALF_DTYPES, dtype_name
+from .overflow.report import OverflowReport
+from .overflow.watch import OverflowWatch
+from .registry import SESSIONS
+from .scaling import checkpoint
+from .scaling.masters import optimizer_params
+from .scaling.protocol import OptimizerAmpState, SessionHooks, amp_state_of
+from .scaling.scaled_pass import ScaledPass
+from .scaling.scaler import LossScaler
 
 __all__ = ["Amp"]
 
@@ -76,9 +73,9 @@ class Amp:
     def __init__(self, opt_level: str = "O1", *, sync_overflow: bool = True,
                  process_group: Any = None, **overrides: Any) -> None:
         self.requested: dict[str, Any] = {"opt_level": opt_level, **overrides}
-        self.forced = forced_options()
-        self.properties: Properties = resolve_properties(
-            **apply_forced(self.requested, self.forced))
+        forced = SESSIONS.forced
+        self.forced: dict[str, Any] = forced.jsonable()  # for messages and telemetry
+        self.properties: Properties = resolve_properties(**forced.apply(self.requested))
         self.sync_overflow = sync_overflow
         self.process_group = process_group
         props = self.properties
@@ -98,7 +95,7 @@ class Amp:
         """Build a session from the flags `ampx.add_args(parser)` added (argparse or config).
 
         Args:
-            args: The parsed arguments (see `ampx.compat.options.amp_kwargs_from_args`).
+            args: The parsed arguments (see `ampx.options.flags.amp_kwargs_from_args`).
             **overrides: `Amp` keyword arguments that replace the flags' values.
 
         Raises:
@@ -111,7 +108,7 @@ class Amp:
             ampx.add_args(parser)
             amp = ampx.Amp.from_args(parser.parse_args())
         """
-        from .compat.options import amp_kwargs_from_args
+        from .options.flags import amp_kwargs_from_args
 
         kwargs = amp_kwargs_from_args(args)
         kwargs.update(overrides)
@@ -171,7 +168,7 @@ class Amp:
         self._initialized = True
         tel = telemetry.sink()
         if tel is not None:
-            tel.emit("init", opt_level=props.opt_level.value, dtype=_dtype_name(props.dtype),
+            tel.emit("init", opt_level=props.opt_level.value, dtype=dtype_name(props.dtype),
                      loss_scale=props.scale, properties=props.as_dict(),
                      requested=_jsonable(self.requested), forced=_jsonable(self.forced))
         return inputs.returned()
@@ -262,9 +259,9 @@ class Amp:
         finally:
             patch.clear_cache()
 
-    def _policy(self) -> Policy:
+    def _policy(self) -> SessionHooks:
         """What this session hands each optimizer's state at attach."""
-        return Policy(scales=self.scales_gradients, skips=self.skips_non_finite,
+        return SessionHooks(scales=self.scales_gradients, skips=self.skips_non_finite,
                       master_weights=bool(self.properties.master_weights),
                       per_tensor=self.scales_gradients, on_overflow=self._report_overflow,
                       on_skip=self._on_skip, on_step=self.record_step)
@@ -400,9 +397,5 @@ def _optimizer_list(optimizers: Any) -> list[Any]:
     return [optimizers]
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def _jsonable(options: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: _dtype_name(v) if isinstance(v, torch.dtype) else v for k, v in options.items()}
+    return {k: dtype_name(v) if isinstance(v, torch.dtype) else v for k, v in options.items()}

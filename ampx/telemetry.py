@@ -79,20 +79,17 @@ def peak_memory_bytes(device: torch.device | None) -> Optional[int]:
     return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
 
 
-_SINK: Telemetry | None = None
-_SINK_PATH: str | None = None
-
-
 def sink() -> Telemetry | None:
     """The process's telemetry writer, or None when `AMPX_TELEMETRY` is unset."""
-    global _SINK, _SINK_PATH
+    from .registry import SESSIONS as registry  # not at import: the sweep's reader needs no torch
+
     path = os.environ.get(ENV_VAR) or None
-    if path != _SINK_PATH:
-        if _SINK is not None:
-            _SINK.close()
-        _SINK_PATH = path
-        _SINK = Telemetry(path) if path else None
-    return _SINK
+    if path != registry.telemetry_path:
+        if registry.telemetry is not None:
+            registry.telemetry.close()
+        registry.telemetry_path = path
+        registry.telemetry = Telemetry(path) if path else None
+    return registry.telemetry
 
 
 def parse_records(text: str) -> list[dict[str, Any]]:

@@ -1,8 +1,8 @@
 """`scale_loss` exit at a static unit scale: gradients checked in place vs unscaled into copies.
 
 At bf16's default static loss scale of 1, a pass checks the gradients autograd produced where
-they are (`ampx.unscale`); before, it unscaled them into fresh `empty_like` buffers like every
-other pass. This benchmark trains the models of `bench_step.py` at O1 bf16 and times only the
+they are (`ampx.scaling.unscale`); before, it unscaled them into fresh `empty_like` buffers like
+every other pass. This benchmark trains the models of `bench_step.py` at O1 bf16 and times only the
 exit of `scale_loss` (unscale, check, scale update, commit) under each behaviour (the copies
 are forced by making `LossScaler.unit_scale` answer False).
 
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_step import MODELS  # noqa: E402
 
 import ampx  # noqa: E402
-from ampx.scaler import LossScaler  # noqa: E402
+from ampx.scaling.scaler import LossScaler  # noqa: E402
 
 _WARMUP = 10
 

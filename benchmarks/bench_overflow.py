@@ -6,7 +6,7 @@ reported, as a ratio to ``off``, in process CPU time (one thread: steady on a sh
 and in wall time):
 
 - ``off``: no per-tensor flags and no provenance bookkeeping (the session's
-  ``Policy.per_tensor`` switched off and its ``overflow_watch`` detached);
+  ``SessionHooks.per_tensor`` switched off and its ``overflow_watch`` detached);
 - ``on``: the default, always-on provenance: the unscale kernels also write one flag per
   gradient, kept until the step; the per-step bookkeeping of the session's watch;
 - ``forward``: ``on`` plus the opt-in forward detector (``detect_overflow="forward"``): one
@@ -43,8 +43,8 @@ from torch import nn  # noqa: E402
 
 import ampx  # noqa: E402
 from ampx import _ext  # noqa: E402
-from ampx.forward_check import ForwardDetector  # noqa: E402
-from ampx.optimizer import amp_state_of  # noqa: E402
+from ampx.overflow.forward import ForwardDetector  # noqa: E402
+from ampx.scaling.protocol import amp_state_of  # noqa: E402
 
 CONFIGS = ("off", "on", "forward")
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-from ampx import patch  # noqa: E402
+from ampx.o1 import patch  # noqa: E402
 
 
 def mlp() -> nn.Module:

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ampx.stepping import _standin
+from ampx.scaling.stepping import _standin
 
 
 def _model(n: int) -> list[torch.nn.Parameter]:

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_patching import mlp  # noqa: E402
 
 import ampx  # noqa: E402
-from ampx import patch  # noqa: E402
+from ampx.o1 import patch  # noqa: E402
 
 CONFIGS = ("fp32", "autocast", "O1", "O2")
 
@@ -164,8 +164,8 @@ def measure(key: str, dtype: torch.dtype, reps: int, inner: int) -> list[str]:
 
 
 def swap_cost(rounds: int = 200) -> str:
-    """The fixed per-step cost of running a for-loop step outside O1 (`ampx.suspend`)."""
-    from ampx import suspend
+    """The fixed per-step cost of running a for-loop step outside O1 (`ampx.o1.suspend`)."""
+    from ampx.o1 import suspend
 
     amp = ampx.Amp("O1", dtype=torch.bfloat16, verbosity=0)
     amp.initialize(nn.Linear(2, 2))

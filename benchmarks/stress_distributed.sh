@@ -4,7 +4,7 @@
 #   benchmarks/stress_distributed.sh [ROUNDS] [BUSY_LOOPS]     (defaults: 20 rounds, 2 loops)
 #
 # Each round runs tests/test_distributed.py (two gloo processes, every scenario) and
-# tests/test_cli.py::test_run_under_torchrun_two_cpu_ranks (`ampx run` under torchrun), while
+# tests/cli/test_cli.py::test_run_under_torchrun_two_cpu_ranks (`ampx run` under torchrun), while
 # BUSY_LOOPS `python -c 'while True: pass'` processes keep the CPUs busy, as on a shared CI
 # machine. The busy loops are this script's children and are killed when it ends (also on
 # Ctrl-C). A failing round prints the tail of its pytest output. Exit status: 0 only if every
@@ -43,7 +43,7 @@ for round in $(seq "$rounds"); do
         line="$line test_distributed FAIL,"; tail -n 40 "$log"
     fi
     if python -m pytest -q -p no:cacheprovider \
-        "tests/test_cli.py::test_run_under_torchrun_two_cpu_ranks" >"$log" 2>&1; then
+        "tests/cli/test_cli.py::test_run_under_torchrun_two_cpu_ranks" >"$log" 2>&1; then
         run_ok=$((run_ok + 1)); line="$line torchrun pass"
     else
         line="$line torchrun FAIL"; tail -n 40 "$log"

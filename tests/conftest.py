@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import ampx
-from ampx import frontend, patch
+from ampx import frontend
+from ampx.o1 import patch
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -101,7 +102,7 @@ def _seed():
 def _one_thread():
     """Tiny models: one intra-op thread is faster and immune to OpenMP spinning on a busy box.
 
-    Tests that measure threading set their own count (tests/test_kernels.py).
+    Tests that measure threading set their own count (tests/kernels/test_kernels.py).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -105,7 +105,7 @@ def _ddp_case(rank: int, level: str, dtype: str, poison: bool, sync: bool) -> di
 def _wrapper_case(rank: int) -> dict[str, Any]:
     """fairseq's loop: update-freq 2 with DDP no_sync, clip_grad_norm, OverflowError."""
     import ampx
-    from ampx.compat.fairseq import AmpOptimizer
+    from ampx.compat.fairseq.optimizer import AmpOptimizer
 
     model = _model()
     amp = ampx.Amp(opt_level="O2", init_scale=2.0**8, growth_interval=2, verbosity=0)
@@ -140,7 +140,7 @@ def _wrapper_case(rank: int) -> dict[str, Any]:
 
 def _fsdp2_case(rank: int) -> dict[str, Any]:
     import ampx
-    from ampx.compat.fairseq import AmpOptimizer
+    from ampx.compat.fairseq.optimizer import AmpOptimizer
 
     try:
         from torch.distributed.fsdp import fully_shard

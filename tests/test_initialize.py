@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import ampx
-from ampx import patch
+from ampx.o1 import patch
 
 
 def _snapshot() -> list[dict[str, Any]]:
@@ -287,8 +287,8 @@ STAGES = [
     ("ampx.initializer.attach", 2, "O1 O2 O3"),
     ("torch.optim.Optimizer.register_step_post_hook", 1, "O1 O2 O3"),  # inside attach
     ("torch.optim.Optimizer.register_step_post_hook", 2, "O1 O2 O3"),
-    ("ampx.scaler.LossScaler.to_", 1, "O1 O2 O3"),
-    ("ampx.patch.activate", 1, "O1"),
+    ("ampx.scaling.scaler.LossScaler.to_", 1, "O1 O2 O3"),
+    ("ampx.o1.patch.activate", 1, "O1"),
 ]
 CASES = [(t, n, lv) for t, n, levels in STAGES for lv in levels.split()]
 

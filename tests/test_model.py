@@ -191,7 +191,7 @@ def test_load_state_dict_assign_keeps_the_cast_model_working(level: str,
 
 
 def test_master_map_discard() -> None:
-    from ampx.model import MasterMap
+    from ampx.scaling.masters import MasterMap
 
     half, master = nn.Parameter(torch.zeros(2).half()), nn.Parameter(torch.zeros(2))
     masters = MasterMap()

@@ -31,6 +31,7 @@ class AutocastRecorder:
     def __init__(self, dtype: torch.dtype, scaler: torch.amp.GradScaler,
                  device: torch.device) -> None:
         from ampx import telemetry
+        from ampx.options.values import dtype_name
 
         self._sink = telemetry.sink()
         self._scaler = scaler
@@ -38,7 +39,7 @@ class AutocastRecorder:
         self._last = time.perf_counter()
         if self._sink is not None:
             self._sink.emit(
-                "init", opt_level="autocast", dtype=str(dtype).replace("torch.", ""),
+                "init", opt_level="autocast", dtype=dtype_name(dtype),
                 loss_scale="dynamic" if scaler.is_enabled() else 1.0,
                 properties={"autocast": True}, requested={}, forced={},
             )

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ampx.compat.options import add_args as add_ampx_args
+from ampx.options.flags import add_args as add_ampx_args
 
 from . import models, optimizers  # noqa: F401  (register the built-in components)
 from .registry import MODEL_REGISTRY, OPTIMIZER_REGISTRY

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 import ampx
-from ampx.compat.fairseq import AmpOptimizer
-from ampx.compat.options import optimizer_kwargs_from_args
+from ampx.compat.fairseq.optimizer import AmpOptimizer
+from ampx.options.flags import optimizer_kwargs_from_args
 
 from .data import SyntheticTask
 from .registry import MODEL_REGISTRY, OPTIMIZER_REGISTRY

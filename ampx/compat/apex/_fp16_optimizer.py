@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
+from ...options.values import HALF_DTYPES
 from ._fp16util import master_params_to_model_params, model_grads_to_master_grads
 
 __all__ = ["DynamicLossScaler", "FP16_Optimizer", "LossScaler"]
 
 logger = logging.getLogger("ampx")
 
-_HALF = (torch.float16, torch.bfloat16)
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window")
 
 
@@ -176,7 +176,7 @@ class FP16_Optimizer:
     def _check_params(optimizer: Any) -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.requires_grad and p.dtype not in (*_HALF, torch.float32):
+                if p.requires_grad and p.dtype not in (*HALF_DTYPES, torch.float32):
                     raise TypeError("Wrapped parameters must be either float32 or half "
                                     f"(float16/bfloat16) tensors. Received {p.type()}")
 
@@ -187,7 +187,7 @@ class FP16_Optimizer:
             if not p.requires_grad:
                 continue
             self.maybe_print(f"FP16_Optimizer received {p.type()} with {tuple(p.size())}")
-            if p.dtype in _HALF:
+            if p.dtype in HALF_DTYPES:
                 master = p.detach().clone().float().requires_grad_(True)
                 group["params"][i] = master
                 if p in self.optimizer.state:

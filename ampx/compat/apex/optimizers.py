@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import required
 
+from ...options.values import HALF_DTYPES
 from . import missing_name
 from ._layerwise import FusedLAMB, FusedNovoGrad
 from ._optim_base import Closure, Params, _adam_checks, _FusedBase, _grad, _math, _zeros
@@ -113,7 +114,7 @@ class FusedAdam(_FusedBase):
         state = self.state[p]
         if not state:
             state["exp_avg"], state["exp_avg_sq"] = _zeros(p), _zeros(p)
-            if self.master_weights and p.dtype in (torch.float16, torch.bfloat16):
+            if self.master_weights and p.dtype in HALF_DTYPES:
                 state["master_param"] = p.detach().float()
         weight = state.get("master_param", p)
         w = _math(weight)

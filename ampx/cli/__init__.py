@@ -1,0 +1,2 @@
+"""The `ampx` command line: `main` (parser, dispatch), `run`, `info`, `lists`, `selftest`,
+`sweep`."""

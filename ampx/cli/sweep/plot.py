@@ -1,0 +1,182 @@
+"""`ampx sweep`'s figure, sweep.png.
+
+One job: draw compared rows (`ampx.cli.sweep.stats`) so that each configuration can be told
+apart: the loss curves and their difference from O0 in distinct line styles and markers,
+step times, speed-up bars with their interquartile range, peak memory (labelled with what
+it measures), and the loss-scale panel only when some configuration scales its loss.
+Unreliable timings are hatched and named in the title; a sweep where nothing finished gets
+one panel that lists the failures instead of empty axes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from .stats import Row
+
+__all__ = ["build_figure", "write_png"]
+
+_LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def _floats(values: Sequence[Any]) -> list[float]:
+    return [float(v) if isinstance(v, (int, float)) else math.nan for v in values]
+
+
+def _styles(rows: Sequence[Row]) -> dict[str, dict[str, Any]]:
+    """One colour, line style and marker per row, the same in every panel."""
+    styles = {}
+    for i, row in enumerate(rows):
+        count = max(1, len(row.series.get("loss", [])))
+        every = max(1, count // 8)
+        styles[row.label] = {
+            "label": row.label, "color": f"C{i % 10}", "linewidth": 2.6 if i == 0 else 1.4,
+            "linestyle": _LINESTYLES[i % len(_LINESTYLES)], "marker": _MARKERS[i % len(_MARKERS)],
+            "markevery": (i % every, every), "markersize": 5, "alpha": 0.9,
+        }
+    return styles
+
+
+def _scales(rows: Sequence[Row]) -> bool:
+    """Whether any configuration used a loss scale other than a constant 1."""
+    for row in rows:
+        values = [v for v in _floats(row.series.get("loss_scale", [])) if math.isfinite(v)]
+        if any(v != 1.0 for v in values):
+            return True
+    return False
+
+
+def _curves(axes: dict[str, Any], rows: Sequence[Row], styles: dict[str, dict[str, Any]],
+            scales: bool) -> None:
+    finished = [r for r in rows if r.series.get("loss")]
+    base = next((r for r in finished if r.opt_level == "O0"), None)
+    for row in finished:
+        losses = _floats(row.series["loss"])
+        steps = range(1, len(losses) + 1)
+        style = styles[row.label]
+        axes["loss"].plot(steps, losses, **style)
+        if base is not None and row is not base:
+            reference = _floats(base.series["loss"])
+            count = min(len(losses), len(reference))
+            axes["delta"].plot(range(1, count + 1),
+                               [a - b for a, b in zip(losses[:count], reference[:count])],
+                               **style)
+        if scales:
+            axes["scale"].plot(steps, _floats(row.series["loss_scale"]), **style)
+        axes["time"].plot(steps, [t * 1e3 for t in _floats(row.series["step_time_s"])],
+                          **style)
+    axes["loss"].set(title="loss", xlabel="step", ylabel="loss")
+    axes["delta"].axhline(0.0, color="black", linewidth=0.8)
+    axes["delta"].set(title="loss minus O0's loss (0 = same as fp32; symlog)", xlabel="step",
+                      ylabel="difference")
+    _symlog(axes["delta"])
+    axes["time"].set(title="step time", xlabel="step", ylabel="ms", yscale="log")
+    if scales:
+        axes["scale"].set(title="loss scale", xlabel="step", ylabel="scale", yscale="log")
+    for name in ("loss", "delta", "time", "scale"):
+        if name in axes:
+            if axes[name].get_lines():
+                axes[name].legend(fontsize="small")
+            axes[name].grid(alpha=0.3)
+
+
+def _symlog(ax: Any) -> None:
+    """A symmetric log scale, so that small differences are not flattened by one big one."""
+    values = [abs(v) for line in ax.get_lines() for v in line.get_ydata()
+              if isinstance(v, float) and math.isfinite(v) and v != 0.0]
+    if values:
+        ax.set_yscale("symlog", linthresh=max(max(values) * 1e-3, 1e-12))
+
+
+def _bars(axes: dict[str, Any], rows: Sequence[Row], styles: dict[str, dict[str, Any]],
+          device: str) -> None:
+    labels = [r.label if r.ok else f"{r.label}\n({r.status})" for r in rows]
+    colors = [styles[r.label]["color"] for r in rows]
+    hatches = ["//" if r.unreliable else "" for r in rows]
+    speed = [r.speedup or 0.0 for r in rows]
+    low = [max(0.0, s - (r.speedup_low or s)) for s, r in zip(speed, rows)]
+    high = [max(0.0, (r.speedup_high or s) - s) for s, r in zip(speed, rows)]
+    bars = axes["speed"].bar(labels, speed, color=colors, hatch=hatches, edgecolor="black",
+                             yerr=[low, high], capsize=4)
+    for bar, row in zip(bars, rows):
+        if row.speedup:  # the value at the foot of its bar, clear of the IQR whiskers
+            axes["speed"].annotate(f"{row.speedup:.2f}x" + ("?" if row.unreliable else ""),
+                                   (bar.get_x() + bar.get_width() / 2, 0.0),
+                                   ha="center", va="bottom", fontsize="small",
+                                   xytext=(0, 4), textcoords="offset points",
+                                   bbox={"boxstyle": "round", "fc": "white", "alpha": 0.85})
+    axes["speed"].axhline(1.0, color="black", linewidth=0.8)
+    axes["speed"].set(title="speed-up vs O0 (median step time, bars: IQR; hatched: unreliable)",
+                      ylabel="x")
+    what = ("CUDA max allocated" if device.startswith("cuda")
+            else "process peak RSS, torch included")
+    axes["mem"].bar(labels, [(r.peak_mem_bytes or 0) / 2**20 for r in rows], color=colors,
+                    edgecolor="black")
+    axes["mem"].set(title=f"peak memory ({what})", ylabel="MiB")
+    for name in ("speed", "mem"):
+        axes[name].tick_params(axis="x", labelrotation=30)
+        axes[name].grid(axis="y", alpha=0.3)
+
+
+def _failed_figure(fig: Any, rows: Sequence[Row], title: str) -> None:
+    ax = fig.add_subplot()
+    ax.axis("off")
+    text = "\n".join(f"{r.label}: {r.status}: {r.error or 'no step records'}"[:140]
+                     for r in rows) or "no configurations ran"
+    ax.text(0.0, 1.0, "No configuration finished; nothing to plot.\n\n" + text,
+            va="top", ha="left", family="monospace", fontsize="small", wrap=True)
+    fig.suptitle(title)
+
+
+def build_figure(rows: Sequence[Row], title: str = "ampx sweep", device: str = "cpu") -> Any:
+    """The figure of `write_png` (a matplotlib Figure; raises ImportError without matplotlib)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not any(r.ok and r.series.get("loss") for r in rows):
+        fig = Figure(figsize=(10, 1.5 + 0.3 * len(rows)), layout="constrained")
+        FigureCanvasAgg(fig)
+        _failed_figure(fig, rows, title)
+        return fig
+    scales = _scales(rows)
+    layout: Any = ([["loss", "delta", "scale"], ["time", "speed", "mem"]] if scales
+                   else [["loss", "loss", "delta", "delta", "time", "time"],
+                         ["speed", "speed", "speed", "mem", "mem", "mem"]])
+    fig = Figure(figsize=(15, 8.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplot_mosaic(layout)
+    styles = _styles(rows)
+    _curves(axes, rows, styles, scales)
+    _bars(axes, rows, styles, device)
+    unreliable = [r.label for r in rows if r.ok and r.unreliable]
+    if unreliable:
+        fig.suptitle(f"{title}\nTIMINGS UNRELIABLE for {', '.join(unreliable)} (other load "
+                     "or noisy steps; see the table)", color="firebrick")
+    else:
+        fig.suptitle(title)
+    return fig
+
+
+def write_png(rows: Sequence[Row], path: Path, title: str = "ampx sweep",
+              device: str = "cpu") -> Optional[Path]:
+    """Write `sweep.png` (see `build_figure`).
+
+    Args:
+        rows: Compared rows.
+        path: Destination.
+        title: Figure title.
+        device: "cpu" or "cuda..." (says what the peak-memory bars measure).
+
+    Returns:
+        The path, or None when matplotlib is not installed (`pip install ampx[plot]`).
+    """
+    try:
+        fig = build_figure(rows, title, device)
+    except ImportError:
+        return None
+    fig.savefig(path, dpi=100)
+    return path

@@ -1,0 +1,177 @@
+"""The O1 wrappers: plain closures that apply a policy's converters around the original.
+
+Plain functions (not proxies), so dynamo inlines them and their casts land in the graph. Each
+wrapper first reads its session's `live` flag: once the session is gone (restore, a new
+initialize), a wrapper that something captured (`from torch.nn.functional import linear`,
+torch's own tables) calls the original untouched. Then it branches on
+`torch.compiler.is_compiling()`: traced code uses the compile converters and the per-thread
+disable depth, eager code the eager converters (weight cache) and the `disable_casts`
+ContextVar.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable, Protocol
+
+import torch
+
+from ..options.values import HALF_DTYPES
+from .casters import Caster, Converter, TensorCast
+from .casting import map_tensors
+from .lists import CastRule
+from .regions import _CASTS_DISABLED, LOCAL, eager_depth_when_compiling, in_compiled_region
+
+__all__ = ["Live", "decorator_wrapper", "make_wrapper"]
+
+_Tensor = torch.Tensor
+
+
+# Torch's own Python code that runs only while compiling (decompositions, meta functions,
+# refs): a patched function it calls must not cast, or the compiled graph would get casts
+# that eager O1 (which runs the C++ kernels) never makes, e.g. inside sdpa's math path.
+_COMPILER_INTERNALS = ("torch._decomp", "torch._refs", "torch._prims", "torch._meta_registrations",
+                       "torch._inductor", "torch._subclasses", "torch._functorch",
+                       "torch._higher_order_ops")
+
+
+def _applies_when_compiling() -> bool:
+    """In a compile: whether the calling wrapper's policy applies.
+
+    Inlined by dynamo (the user's code): unless in a `disable_casts()` (a depth dynamo
+    tracks and guards). Run opaquely (a Tensor method during fake propagation or AOT
+    tracing): unless in a `disable_casts()` of the compiled code (in graph order) or around
+    the compiled call (guarded), or called by compiler-internal code.
+    """
+    if torch.compiler.is_dynamo_compiling():
+        return not LOCAL.depth
+    if in_compiled_region() or eager_depth_when_compiling():
+        return False
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    return not caller.startswith(_COMPILER_INTERNALS)
+
+
+class Live(Protocol):
+    """What a wrapper reads from its session (a plain attribute, which dynamo guards)."""
+
+    live: bool
+
+
+def make_wrapper(original: Callable[..., Any], policy: CastRule, name: str, caster: Caster,
+                 session: Live) -> Callable[..., Any]:
+    """A closure applying `policy` around `original` (called with self first, for methods)."""
+    compiled = caster.converter(policy, name, compiled=True)
+    if policy in (CastRule.LOWER, CastRule.RNN, CastRule.FP32):
+        if policy is CastRule.FP32:
+            cast = caster.dtype_cast(torch.float32, HALF_DTYPES, name)
+        else:
+            cast = caster.half_cast(name)
+        wrapper = _map_wrapper(original, session, cast, compiled)
+    else:
+        wrapper = _convert_wrapper(original, session, caster.converter(policy, name), compiled)
+    wrapper.__ampx_policy__ = policy  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wraps(original: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    # functools.wraps copies __name__/__doc__/__module__ and sets __wrapped__; builtins lack
+    # some of these attributes, which functools.wraps skips.
+    return functools.wraps(original)
+
+
+def _map_wrapper(original: Callable[..., Any], session: Live, cast: TensorCast,
+                 compiled: Converter) -> Callable[..., Any]:
+    """The hot path (F.linear, matmul, softmax...): no tuple is rebuilt when nothing changes."""
+    disabled = _CASTS_DISABLED.get
+    compiling = torch.compiler.is_compiling
+    eager = _eager_map(cast)
+
+    @_wraps(original)
+    def ampx_cast(*args: Any, **kwargs: Any) -> Any:
+        if session.live:
+            if compiling():
+                if _applies_when_compiling():
+                    converted = compiled(args, kwargs)
+                    if converted is not None:
+                        return original(*converted[0], **converted[1])
+            elif not disabled():
+                converted = eager(args, kwargs)
+                if converted is not None:
+                    return original(*converted[0], **converted[1])
+        return original(*args, **kwargs)
+
+    return ampx_cast
+
+
+def _eager_map(cast: TensorCast) -> Converter:
+    """`map_converter` with the all-positional top level inlined (F.linear(x, w, b))."""
+
+    def convert(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        new: list | None = None
+        i = 0
+        for a in args:
+            if isinstance(a, _Tensor):
+                c = cast(a)
+            elif isinstance(a, (list, tuple, dict)):
+                c = map_tensors(a, cast)
+            else:
+                i += 1
+                continue
+            if c is not a:
+                if new is None:
+                    new = list(args)
+                new[i] = c
+            i += 1
+        if kwargs:
+            new_kwargs = map_tensors(kwargs, cast)
+            if new_kwargs is not kwargs:
+                return (args if new is None else tuple(new)), new_kwargs
+        return None if new is None else (tuple(new), kwargs)
+
+    return convert
+
+
+def _convert_wrapper(original: Callable[..., Any], session: Live, eager: Converter,
+                     compiled: Converter) -> Callable[..., Any]:
+    disabled = _CASTS_DISABLED.get
+    compiling = torch.compiler.is_compiling
+
+    @_wraps(original)
+    def ampx_cast(*args: Any, **kwargs: Any) -> Any:
+        if session.live:
+            if compiling():
+                converted = (compiled(args, kwargs) if _applies_when_compiling() else None)
+            else:
+                converted = None if disabled() else eager(args, kwargs)
+            if converted is not None:
+                return original(*converted[0], **converted[1])
+        return original(*args, **kwargs)
+
+    return ampx_cast
+
+
+def decorator_wrapper(fn: Callable[..., Any], policy: CastRule,
+                      current: Callable[[], Caster | None]) -> Callable[..., Any]:
+    """`@half_function` and friends: apply `policy` with whichever session is active.
+
+    `current()` returns the active session's caster (None outside O1).
+    """
+    label = getattr(fn, "__qualname__", repr(fn))
+    disabled = _CASTS_DISABLED.get
+    compiling = torch.compiler.is_compiling
+
+    @_wraps(fn)
+    def ampx_cast(*args: Any, **kwargs: Any) -> Any:
+        caster = current()
+        if caster is not None:
+            if compiling():
+                converted = (caster.compiled_converters[policy](args, kwargs)
+                             if _applies_when_compiling() else None)
+            else:
+                converted = None if disabled() else caster.converter(policy, label)(args, kwargs)
+            if converted is not None:
+                return fn(*converted[0], **converted[1])
+        return fn(*args, **kwargs)
+
+    return ampx_cast

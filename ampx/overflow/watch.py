@@ -1,0 +1,279 @@
+"""One session's overflow provenance: the reports, the log text, the detector and the policy.
+
+:class:`OverflowWatch` is what a session holds when it was initialized: it names the
+parameters of its models (and the O2 masters), optionally runs the forward detector, and on
+every skipped step turns the protocol's per-tensor flags into an
+:class:`~ampx.overflow.report.OverflowReport` (kept per optimizer for ``ampx.last_overflow``), puts
+its top offender into the scaler's log line, and applies the ``on_overflow`` policy
+(raising, or moving a module to float32). Clean steps cost it nothing but a counter reset and
+clearing the detector's per-step list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from ..options.values import parse_detect_overflow
+from .flags import GradFlags
+from .forward import ForwardDetector
+from .policy import Fp32Fallback, OverflowPolicy, find_module, fp32_params_o2
+from .report import OverflowReport, ParamNames
+
+__all__ = ["STATE_KEY", "OverflowWatch", "last_overflow", "with_report"]
+
+logger = logging.getLogger("ampx")
+
+STATE_KEY = "overflow_policy"  # in ampx.state_dict(), only when on_overflow is not "skip"
+
+Pass = tuple[int, Sequence[torch.Tensor], torch.Tensor]  # (loss_id, holders, flags)
+Release = Callable[[list[tuple[nn.Parameter, nn.Parameter]]], None]
+
+
+def last_overflow(optimizer: Any) -> OverflowReport | None:
+    """Where the inf/NaN of `optimizer`'s most recent skipped step came from (None: no skip yet).
+
+    Raises:
+        TypeError: For an optimizer that never went through ``ampx.initialize``.
+
+    Example::
+
+        optimizer.step()
+        if ampx.step_was_skipped(optimizer):
+            print(ampx.last_overflow(optimizer).summary())
+    """
+    from ..scaling.protocol import amp_state_of
+
+    state = amp_state_of(optimizer)
+    if state is None:
+        raise TypeError("last_overflow() needs an optimizer passed through ampx.initialize(); "
+                        f"got {type(optimizer).__module__}.{type(optimizer).__name__}")
+    owner = getattr(state, "owner", None) or getattr(state, "session", None)
+    watch = getattr(owner, "overflow_watch", None)
+    return watch.last(optimizer) if watch is not None else None
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def with_report(exc: E, optimizer: Any) -> E:
+    """Attach `optimizer`'s latest :class:`OverflowReport` to `exc` as ``exc.report``.
+
+    For the fairseq wrapper's OverflowError / FloatingPointError. A FloatingPointError also
+    gets the report's summary appended to its message. ``exc.report`` is None when the
+    optimizer has no report (a session without loss scaling, or nothing skipped yet).
+    """
+    try:
+        report = last_overflow(optimizer)
+    except TypeError:
+        report = None
+    exc.report = report  # type: ignore[attr-defined]
+    if report is not None and isinstance(exc, FloatingPointError) and exc.args:
+        exc.args = (f"{exc.args[0]}\n{report.summary()}", *exc.args[1:])
+    return exc
+
+
+class OverflowWatch:
+    """Overflow provenance for the models and optimizers of one session.
+
+    Args:
+        models: The initialized models.
+        masters: ``(half model param, fp32 master)`` pairs (O2), for names and fp32-fallback.
+        on_overflow: ``"skip"``, ``"raise"`` or ``"fp32-fallback"``.
+        patience: See :class:`~ampx.overflow.policy.OverflowPolicy`.
+        detect_overflow: None or ``"forward"``.
+        casts_patched: O1: the fp32 fallback disables casts instead of swapping weights.
+        release_masters: Called with the pairs an O2 fallback un-split (the protocol drops
+            them from its master map); required for ``"fp32-fallback"`` with masters.
+    """
+
+    def __init__(self, models: Sequence[nn.Module],
+                 masters: Iterable[tuple[nn.Parameter, nn.Parameter]] = (), *,
+                 on_overflow: str = "skip", patience: int = 8,
+                 detect_overflow: str | None = None, casts_patched: bool = False,
+                 release_masters: Release | None = None) -> None:
+        self.policy = OverflowPolicy(on_overflow, patience)
+        detect = parse_detect_overflow(detect_overflow)
+        self.models = list(models)
+        self._pairs = list(masters)
+        self._master_of = {id(p): m for p, m in self._pairs}
+        self.names = ParamNames.from_models(self.models, self._pairs)
+        self.casts_patched = casts_patched
+        self._release = release_masters
+        self.detector = ForwardDetector(self.models) if detect == "forward" else None
+        self.fallbacks: dict[str, Fp32Fallback] = {}
+        self._last: weakref.WeakKeyDictionary[Any, OverflowReport] = \
+            weakref.WeakKeyDictionary()
+        self._skipped: OverflowReport | None = None
+
+    @classmethod
+    def attach(cls, models: Sequence[nn.Module], optimizers: Sequence[Any], props: Any
+               ) -> OverflowWatch:
+        """The watch of a session that just initialized `models` and `optimizers`.
+
+        Args:
+            models: The models.
+            optimizers: Their optimizers (their ampx states hold the O2 master maps).
+            props: The session's ``ampx.Properties`` (``on_overflow``, ``overflow_patience``,
+                ``detect_overflow``, ``patch_torch_functions``).
+        """
+        from ..scaling.protocol import amp_state_of
+
+        # Any: the protocol's state type (release_masters is its O2 un-split transition)
+        states: list[Any] = [s for s in (amp_state_of(o) for o in optimizers) if s is not None]
+        pairs: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+        for state in states:
+            for half, master in state.masters.pairs():
+                pairs.setdefault(id(half), (half, master))
+
+        def release(done: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+            for state in states:
+                state.release_masters(done)
+
+        return cls(models, list(pairs.values()), on_overflow=props.on_overflow,
+                   patience=props.overflow_patience, detect_overflow=props.detect_overflow,
+                   casts_patched=bool(props.patch_torch_functions), release_masters=release)
+
+    # -- per step ---------------------------------------------------------------------------
+    def on_skip(self, optimizer: Any, passes: Iterable[Pass], *, step: int,
+                loss_ids: Sequence[int], scalers: Sequence[Any],
+                process_group: Any = None, distributed: bool = False) -> OverflowReport:
+        """Build, log and act on the report of a skipped step (before grads are released).
+
+        Each scaler of `loss_ids` logs its line with the provenance inserted
+        (``scaler.report_overflow(where=...)`` returns ``(old, new)`` or None).
+
+        Raises:
+            OverflowPersistsError: ``on_overflow="raise"`` and the overflows persisted
+                (the report is kept for ``last_overflow`` first).
+        """
+        flags = GradFlags(self.names)
+        for loss_id, holders, tensor in passes:
+            flags.record(loss_id, holders, tensor)
+        forward = self.detector.first_nonfinite() if self.detector is not None else None
+        report = flags.report(step=step, loss_ids=loss_ids, scales={}, forward=forward,
+                              process_group=process_group, distributed=distributed)
+        where = f" {report.where()}" if report.where() else ""
+        scales: dict[int, tuple[float, float]] = {}
+        for loss_id in sorted(set(loss_ids)):
+            seen = scalers[loss_id].report_overflow(where=where)
+            if seen is not None:
+                scales[loss_id] = (float(seen[0]), float(seen[1]))
+        report = dataclasses.replace(report, scales=scales)
+        self._last[optimizer] = report
+        self._skipped = report
+        at_minimum = any(scalers[i].at_minimum() for i in scales)
+        module = self.policy.observe_skip(report, at_minimum)
+        if module is not None:
+            self.apply_fallback(module)
+        return report
+
+    def on_clean(self) -> None:
+        """A step that was not skipped."""
+        self.policy.observe_clean()
+
+    def step_done(self) -> OverflowReport | None:
+        """After every step: the report if it was skipped (for telemetry), else None.
+
+        Resets the policy's consecutive-skip count on a clean step and clears the
+        forward records (no host sync).
+        """
+        report, self._skipped = self._skipped, None
+        if report is None:
+            self.on_clean()
+        self.after_step()
+        return report
+
+    def after_step(self) -> None:
+        """Every step's end: forget the forward records; heal interrupted fallbacks."""
+        if self.detector is not None:
+            self.detector.clear()
+        for fallback in self.fallbacks.values():
+            fallback.unwind()
+
+    def last(self, optimizer: Any) -> OverflowReport | None:
+        """The report of `optimizer`'s most recent skipped step, or None."""
+        return self._last.get(optimizer)
+
+    # -- fp32 fallback ----------------------------------------------------------------------
+    def apply_fallback(self, name: str) -> None:
+        """Run module `name` in float32 from now on (logged once).
+
+        Raises:
+            KeyError: When no initialized model has that module.
+        """
+        if name in self.fallbacks:
+            return
+        module = find_module(self.models, name)
+        pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        if not self.casts_patched:
+            pairs = fp32_params_o2(module, lambda p: self._master_of.get(id(p)))
+            if pairs and self._release is not None:
+                self._release(pairs)
+        self.fallbacks[name] = Fp32Fallback(module, disable_casts=self.casts_patched,
+                                            cast_back=not self.casts_patched)
+        if name not in self.policy.fallback:
+            self.policy.fallback.append(name)
+        logger.warning(
+            "ampx: on_overflow='fp32-fallback': %s runs in float32 from now on (%s); "
+            "it is recorded in ampx.state_dict() so a resumed run keeps it.", name,
+            "O1 casts disabled inside it" if self.casts_patched
+            else f"{len(pairs)} parameters now use their fp32 masters")
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The policy's state (modules in fp32, counters)."""
+        return self.policy.state_dict()
+
+    def add_state(self, out: dict[str, Any]) -> None:
+        """Put the policy state into a session state dict (not for ``"skip"``: apex-loadable)."""
+        if self.policy.mode != "skip":
+            out[STATE_KEY] = self.state_dict()
+
+    def split_state(self, state_dict: Mapping[str, Any]
+                    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """``(the other entries, checked policy state or None)``; nothing is applied.
+
+        Raises:
+            ValueError: For a malformed policy entry (see :meth:`check_state`).
+        """
+        rest = {k: v for k, v in state_dict.items() if k != STATE_KEY}
+        if STATE_KEY not in state_dict:
+            return rest, None
+        return rest, self.check_state(state_dict[STATE_KEY])
+
+    def check_state(self, state: Any, key: str = STATE_KEY) -> dict[str, Any]:
+        """Validate a saved state against these models (nothing is applied).
+
+        Raises:
+            ValueError: Naming `key` and what is wrong (including unknown modules).
+        """
+        checked = OverflowPolicy.validate_state(state, key)
+        for name in checked["fp32_modules"]:
+            try:
+                find_module(self.models, name)
+            except KeyError:
+                raise ValueError(f"{key}.fp32_modules: the models have no module {name!r}"
+                                 ) from None
+        return checked
+
+    def load_checked(self, checked: Mapping[str, Any]) -> None:
+        """Apply :meth:`check_state` output: re-create the fp32 fallbacks it lists."""
+        self.policy.load_checked(checked)
+        for name in checked["fp32_modules"]:
+            self.apply_fallback(name)  # idempotent
+
+    def remove(self) -> None:
+        """Take the detector's and the fallbacks' hooks away (the session ends)."""
+        if self.detector is not None:
+            self.detector.remove()
+        for fallback in self.fallbacks.values():
+            fallback.remove()
+        self.fallbacks.clear()
+

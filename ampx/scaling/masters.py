@@ -1,0 +1,160 @@
+"""Parameter views of one initialized optimizer: its params, its O2 masters and their half twins.
+
+The scaled-backward protocol (`ampx.scaling.protocol`) needs, at every pass, the same few lists:
+every parameter the optimizer steps, the (half model parameter, fp32 master) pairs among them, and
+the parameters that are not masters. `ParamCache` holds them and is rebuilt only when the
+optimizer's parameter groups change. `adopt_new_groups` gives half parameters added with
+`add_param_group` after initialize their fp32 masters.
+
+These lists are the public-ish view of the O2 split: `OptimizerAmpState.model_params()` and
+`.master_params()` (ampx.scaling.protocol) read them, for example to expose apex's `_amp_stash`
+views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MasterMap", "ParamCache", "adopt_new_groups", "build_cache", "optimizer_params",
+           "recast_state"]
+
+
+class MasterMap:
+    """model (half) parameter -> fp32 master, for the O2 split.
+
+    Referenced weakly from module hooks, so copying a model never copies the optimizer's masters.
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+
+    def add(self, model_param: nn.Parameter, master: nn.Parameter) -> None:
+        """Record that `master` is the fp32 copy behind `model_param`."""
+        self._by_id[id(model_param)] = (model_param, master)
+
+    def master_of(self, model_param: torch.Tensor) -> nn.Parameter | None:
+        """The master of `model_param`, or None."""
+        entry = self._by_id.get(id(model_param))
+        return entry[1] if entry is not None and entry[0] is model_param else None
+
+    def discard(self, model_param: nn.Parameter) -> None:
+        """Forget the master of `model_param` (initialize's undo, the fp32 fallback)."""
+        self._by_id.pop(id(model_param), None)
+
+    def pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """Every (model_param, master) pair."""
+        return list(self._by_id.values())
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+
+@dataclass(eq=False)
+class ParamCache:
+    """The per-pass views of one optimizer's parameters.
+
+    Attributes:
+        signature: What the cache was built from (group lists, lengths, end points).
+        params: Every parameter of every group, in order.
+        pairs: (half model parameter, fp32 master) for the masters this optimizer steps.
+        models: The half model parameters of `pairs`.
+        masters: The fp32 masters of `pairs`.
+        others: The parameters that are not masters (the optimizer steps them directly).
+    """
+
+    signature: tuple
+    params: list[torch.Tensor]
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    models: list[torch.Tensor]
+    masters: list[torch.Tensor]
+    others: list[torch.Tensor]
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """Every parameter of every group, in order."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def signature(optimizer: torch.optim.Optimizer) -> tuple:
+    """A cheap fingerprint of the optimizer's groups (changes when params are added/removed)."""
+    sig = []
+    for group in optimizer.param_groups:
+        params = group["params"]
+        sig.append((id(params), len(params), id(params[0]) if params else 0,
+                    id(params[-1]) if params else 0))
+    return tuple(sig)
+
+
+def build_cache(optimizer: torch.optim.Optimizer, masters: MasterMap,
+                previous: ParamCache | None) -> ParamCache:
+    """The parameter views of `optimizer` (`previous` when its groups did not change).
+
+    Only the masters held by *this* optimizer are paired with model parameters: with several
+    optimizers (a GAN's generator and discriminator) each one unscales, copies and releases
+    its own masters only.
+    """
+    sig = signature(optimizer)
+    if previous is not None and previous.signature == sig:
+        return previous
+    params = list(optimizer_params(optimizer))
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if len(masters):
+        by_master = {id(master): model for model, master in masters.pairs()}
+        pairs = [(by_master[id(p)], p) for p in params if id(p) in by_master]
+    master_ids = {id(m) for _, m in pairs}
+    others = [p for p in params if id(p) not in master_ids]
+    return ParamCache(sig, params, pairs, [m for m, _ in pairs], [m for _, m in pairs], others)
+
+
+def adopt_new_groups(optimizer: torch.optim.Optimizer, masters: MasterMap, seen: int,
+                     master_weights: bool) -> int:
+    """Give half parameters of groups added after initialize their fp32 masters.
+
+    Runs when the number of groups changed since `seen`; new half parameters are replaced in
+    the group by fp32 masters (apex's patched add_param_group did the same).
+
+    Returns:
+        The number of groups now seen.
+    """
+    groups = optimizer.param_groups
+    if len(groups) == seen:
+        return seen
+    if master_weights:
+        for group in groups[seen:]:
+            params = group["params"]
+            for i, param in enumerate(params):
+                known = masters.master_of(param)
+                if known is not None:
+                    params[i] = known
+                elif param.is_floating_point() and param.dtype != torch.float32:
+                    master = torch.nn.Parameter(param.detach().float(),
+                                                requires_grad=param.requires_grad)
+                    masters.add(param, master)
+                    params[i] = master
+    return len(groups)
+
+
+def recast_state(optimizer: torch.optim.Optimizer) -> None:
+    """Cast existing per-parameter state to each parameter's dtype (O3 casts params in place)."""
+    for param, pstate in optimizer.state.items():
+        for key, value in list(pstate.items()):
+            if (key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
+                    and value.dtype != param.dtype and value.shape == param.shape):
+                pstate[key] = value.to(param.dtype)
+
+
+def grad_mark(param: torch.Tensor) -> Any:
+    """What identifies `param.grad`'s current contents without reading it (no sync).
+
+    Autograd either replaces the gradient or adds into it in place (bumping its version), so a
+    changed mark means a backward (or anything else) wrote to it.
+    """
+    grad = param.grad
+    return None if grad is None else (id(grad), grad._version)

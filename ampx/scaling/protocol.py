@@ -1,0 +1,434 @@
+"""The scaled-backward protocol: one stage machine per optimizer, one method per transition.
+
+Every optimizer handed to `initialize` is returned as the very same object, of the same class;
+its ampx state is one attribute, `optimizer._ampx`, an `OptimizerAmpState`. That state is the
+single owner of the protocol, with an explicit `Stage` (as `torch.amp.GradScaler` keeps
+`OptState`):
+
+    READY ──begin_backward──▶ SCALING ──end (unscale)──▶ UNSCALED ──step──▶ READY
+      ▲                         │  ▲ └──end (delay_unscale)──▶ SCALED ──begin──┘
+      └──────── abort / zero_grad ◀──────────────────────────────┘
+
+- `begin_backward` moves existing gradients aside (the stash) so backward writes only its own;
+- `abort_backward` (an exception inside `scale_loss`) puts everything back as it was;
+- `ScaledPass.end` (`ampx.scaling.scaled_pass`) unscales this pass's gradients into fresh buffers
+  (`ampx.scaling.unscale`), flags inf/NaN, computes the next scaler state, then commits it all at
+once; - `decide_step` / `after_step` run from torch's step hooks (`ampx.scaling.stepping`): the skip
+  decision (one host sync, or none for fused optimizers that take the device flag), and the
+  master -> model copy;
+- `zero_grad` starts a new update (at O2 it also releases the half model gradients).
+
+Transactions: a transition computes into tensors nobody holds yet and then commits with plain
+assignments recorded in a `Journal`; on any exception (KeyboardInterrupt included) the journal
+undoes them, so state is exactly what it was. `after_step` runs after the optimizer already
+changed the parameters, so it rolls forward instead: it completes its idempotent work (on the
+reference kernels if the native one failed) and then re-raises.
+
+Per-tensor overflow flags: with `SessionHooks.per_tensor` every
+checked pass adds (loss_id, parameters, float32 flags) to `OptimizerAmpState.overflow_flags`,
+one flag per parameter that got a new gradient, filled by the same kernel calls (no extra
+pass); they live until the step, like the step flag.
+
+This module never imports the session: what it needs from it (skip policy, the cross-rank
+flag agreement, overflow reporting, telemetry) arrives as a `SessionHooks` at `attach`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from .. import _ext
+from . import masters as _masters
+from . import unscale
+from .journal import Journal
+from .masters import MasterMap, ParamCache, grad_mark, optimizer_params
+
+__all__ = ["OptimizerAmpState", "SessionHooks", "Stage", "amp_state_of", "master_params"]
+
+logger = logging.getLogger("ampx")
+
+ATTR = "_ampx"
+
+
+class Stage(Enum):
+    """Where an optimizer is in the scaled-backward protocol."""
+
+    READY = "READY"  # no scaled pass since the last step (or zero_grad)
+    SCALING = "SCALING"  # inside scale_loss: earlier gradients stashed, backward running
+    SCALED = "SCALED"  # a delay_unscale pass left scaled gradients in .grad
+    UNSCALED = "UNSCALED"  # unscaled gradients and their overflow flag wait for step()
+
+
+def _noop(*args: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class SessionHooks:
+    """What the session hands an optimizer's state at attach (the state never sees the session).
+
+    Attributes:
+        scales: False on apex's short-circuit path (no masters, static 1.0, no inf check).
+        skips: Whether steps with non-finite gradients are skipped.
+        master_weights: Whether half parameters added later get fp32 masters.
+        per_tensor: Compute per-parameter overflow flags in every checked pass (kept in
+            `OptimizerAmpState.overflow_flags` until the step).
+        on_overflow: Called with the loss ids of a skipped step (logging; may sync), before
+            the step's gradients are released; the step is committed even if it raises.
+        on_skip: Called with (optimizer, state) on a skipped step, right after `on_overflow`
+            (the gradients and `overflow_flags` are still there); may raise likewise.
+        on_step: Called with (optimizer, state) after every step (telemetry).
+    """
+
+    scales: bool = True
+    skips: bool = True
+    master_weights: bool = False
+    per_tensor: bool = False
+    on_overflow: Callable[[Sequence[int]], None] = _noop
+    on_skip: Callable[[torch.optim.Optimizer, OptimizerAmpState], None] = _noop
+    on_step: Callable[[torch.optim.Optimizer, OptimizerAmpState], None] = _noop
+
+
+@dataclass(eq=False)
+class StepDecision:
+    """The pre-hook's decision, committed by the post-hook (discarded if step raised)."""
+
+    skip: bool = False
+    flag: torch.Tensor | None = None  # fused path: the device flag handed to the optimizer
+
+
+@dataclass(eq=False)
+class OptimizerAmpState:
+    """Everything ampx keeps for one optimizer (held as `optimizer._ampx`).
+
+    Attributes:
+        owner: The session that attached it (opaque here; the frontend uses it).
+        policy: What the session decided for this optimizer.
+        masters: The O2 model-parameter -> fp32 master map (empty without master weights).
+        stage: Where the optimizer is in the protocol.
+        found_inf: Device flag: a non-finite gradient was seen since the last step.
+        loss_ids: Loss scalers whose passes fed the next step.
+        overflow_flags: With `SessionHooks.per_tensor`, one (loss_id, params, flags) per checked
+            pass since the last step: float32 flags, 1.0 where that parameter's new gradient
+            had inf/NaN (cleared with the step flag).
+        steps: `step()` calls so far.
+    """
+
+    owner: object
+    policy: SessionHooks = field(default_factory=SessionHooks)
+    masters: MasterMap = field(default_factory=MasterMap)
+    stage: Stage = Stage.READY
+    found_inf: torch.Tensor | None = None
+    loss_ids: frozenset[int] = frozenset()
+    overflow_flags: tuple[tuple[int, list[torch.Tensor], torch.Tensor], ...] = ()
+    last_loss: torch.Tensor | None = None
+    steps: int = 0
+    stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    dropped: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    handles: list[Any] = field(default_factory=list)
+    last_step_end: float = field(default_factory=time.perf_counter)
+    _entry: tuple[Stage, dict[int, Any] | None] | None = None
+    _before_delay: Stage = Stage.READY
+    _decision: StepDecision | None = None
+    _skipped: int = 0
+    _skipped_device: torch.Tensor | None = None
+    _last_skip: bool | torch.Tensor = False
+    _groups_seen: int = 0
+    _cache: ParamCache | None = None
+
+    # -- views -----------------------------------------------------------------------------
+    def cache(self, optimizer: torch.optim.Optimizer) -> ParamCache:
+        """The parameter views, after adopting groups added since the last call."""
+        self._groups_seen = _masters.adopt_new_groups(
+            optimizer, self.masters, self._groups_seen, self.policy.master_weights)
+        self._cache = _masters.build_cache(optimizer, self.masters, self._cache)
+        return self._cache
+
+    def model_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The half model parameters behind this optimizer's fp32 masters (O2), in order."""
+        return list(self.cache(optimizer).models)
+
+    def master_params(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The fp32 masters this optimizer steps (O2), in the order of `model_params`."""
+        return list(self.cache(optimizer).masters)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the most recent `step()` was skipped.
+
+        .. note:: After a fused optimizer's step (no host sync at step time) this reads the
+           device flag: one sync.
+        """
+        skip = self._last_skip
+        return bool(skip.item()) if isinstance(skip, torch.Tensor) else skip
+
+    @property
+    def skipped_steps(self) -> int:
+        """Skipped `step()` calls so far (one sync when fused steps are counted on device)."""
+        extra = self._skipped_device
+        return self._skipped + (int(extra.item()) if extra is not None else 0)
+
+    def release_masters(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Forget these (half model param, master) pairs (their module went back to fp32)."""
+        discard = getattr(self.masters, "discard", None)
+        if discard is None:
+            raise RuntimeError("ampx: this MasterMap cannot discard masters.")
+        for model_param, _ in pairs:
+            discard(model_param)
+        self._cache = None
+
+    def pending_flag(self) -> torch.Tensor | None:
+        """The overflow flag the next `step()` decides on (None when no checked pass ran)."""
+        return self.found_inf if self.stage is Stage.UNSCALED else None
+
+    def mark_overflow(self) -> None:
+        """UNSCALED: make the next `step()` a skipped one (finite gradients whose norm is not)."""
+        if self.stage is Stage.UNSCALED and self.found_inf is not None:
+            self.found_inf = torch.ones_like(self.found_inf)
+
+    def detach(self) -> None:
+        """Remove the step hooks and the zero_grad handler (initialize failed half-way)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    # -- transitions around backward ---------------------------------------------------------
+    def begin_backward(self, optimizer: torch.optim.Optimizer) -> None:
+        """READY/UNSCALED/SCALED -> SCALING: move earlier gradients aside for this pass.
+
+        Parameters the optimizer steps have their gradient stashed (added back to this pass's
+        unscaled gradient at the end). The half model parameters behind masters have theirs
+        put aside too and released at the end, as apex did: anything there was not produced
+        through this optimizer's `scale_loss` (a discriminator's backward reaching the
+        generator), and `zero_grad` only reaches the masters. After a `delay_unscale` pass
+        nothing moves (gradients accumulate scaled, so DDP's last all-reduce sees all of them);
+        the gradients' identities and versions are recorded instead.
+        """
+        if self.stage is Stage.SCALING:
+            raise RuntimeError(
+                "ampx.scale_loss: this optimizer is already inside a scale_loss block; nest "
+                "no scale_loss blocks over the same optimizer (finish the first one)."
+            )
+        cache = self.cache(optimizer)
+        journal = Journal()
+        try:
+            if self.stage is Stage.SCALED:
+                marks = {id(p): grad_mark(p) for p in cache.models + cache.others}
+                journal.set(self, "_entry", (Stage.SCALED, marks))
+            else:
+                stash = {id(p): (p, p.grad) for p in cache.others if p.grad is not None}
+                dropped = {id(p): (p, p.grad) for p in cache.models if p.grad is not None}
+                journal.set(self, "_entry", (self.stage, None))
+                journal.set(self, "stash", stash)
+                journal.set(self, "dropped", dropped)
+                for param, _ in list(stash.values()) + list(dropped.values()):
+                    journal.set(param, "grad", None)
+            journal.set(self, "stage", Stage.SCALING)
+        except BaseException:
+            journal.rollback()
+            raise
+
+    def abort_backward(self, optimizer: torch.optim.Optimizer) -> None:
+        """SCALING -> the stage before: this pass's gradients are dropped, the stash restored.
+
+        After a `delay_unscale` pass the scaled gradients were accumulating in place; if the
+        aborted pass wrote into them (an exception after `backward()`), the accumulated update
+        is no longer what the completed passes produced, so it is dropped entirely and the
+        gradients of before the first delayed pass come back (logged as a warning).
+        """
+        if self.stage is not Stage.SCALING or self._entry is None:
+            return
+        before, marks = self._entry
+        cache = self.cache(optimizer)
+        touched = cache.models + cache.others
+        if before is Stage.SCALED and marks is not None:
+            if all(grad_mark(p) == marks.get(id(p)) for p in touched):
+                self.stage, self._entry = Stage.SCALED, None
+                return
+            logger.warning("ampx.scale_loss: an exception interrupted a backward that added "
+                           "into delay_unscale gradients; the partial update is dropped.")
+            before = self._before_delay
+        journal = Journal()
+        try:
+            for param in touched:
+                journal.set(param, "grad", None)
+            for param, grad in list(self.stash.values()) + list(self.dropped.values()):
+                journal.set(param, "grad", grad)
+            journal.set(self, "stash", {})
+            journal.set(self, "dropped", {})
+            journal.set(self, "_entry", None)
+            journal.set(self, "stage", before)
+        except BaseException:
+            journal.rollback()
+            raise
+
+    def commit_delayed(self, journal: Journal) -> None:
+        """SCALING -> SCALED (a `delay_unscale` pass): the scaled gradients stay in `.grad`."""
+        assert self._entry is not None  # set by begin_backward
+        if self._entry[0] is not Stage.SCALED:
+            journal.set(self, "_before_delay", self._entry[0])
+        journal.set(self, "_entry", None)
+        journal.set(self, "stage", Stage.SCALED)
+
+    def commit_unscale(self, journal: Journal, work: unscale.UnscaleWork,
+                       flag: torch.Tensor | None, loss_id: int | None,
+                       loss: torch.Tensor, per_tensor: torch.Tensor | None = None) -> None:
+        """SCALING -> UNSCALED: assign the computed gradients, the flag and the bookkeeping."""
+        for (param, _, _), grad in zip(work.assign, work.results):
+            if param.grad is not grad:  # a gradient checked in place is already there
+                journal.set(param, "grad", grad)
+        for model_param in work.clear:
+            journal.set(model_param, "grad", None)
+        for param, _ in self.dropped.values():
+            if param.grad is not None and all(param is not p for p in work.clear):
+                journal.set(param, "grad", None)
+        journal.set(self, "stash", {})
+        journal.set(self, "dropped", {})
+        journal.set(self, "_entry", None)
+        if flag is not None:
+            journal.set(self, "found_inf", flag)
+        if loss_id is not None:
+            journal.set(self, "loss_ids", self.loss_ids | {loss_id})
+            if per_tensor is not None:
+                journal.set(self, "overflow_flags",
+                            (*self.overflow_flags, (loss_id, work.flag_params, per_tensor)))
+        journal.set(self, "last_loss", loss)
+        journal.set(self, "stage", Stage.UNSCALED)
+
+    def next_flag(self, found: torch.Tensor) -> torch.Tensor:
+        """The step flag after folding in one pass's `found` (a fresh tensor)."""
+        if self.found_inf is None:
+            return found.clone()
+        return torch.maximum(self.found_inf, found.to(self.found_inf.device))
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Any stage but SCALING -> READY: the update is abandoned (`optimizer.zero_grad()`).
+
+        Releases the half model gradients behind masters (as apex's O2 zero_grad did), the
+        stash, the scaled-gradients mark and the pending overflow flag.
+        """
+        if self.stage is Stage.SCALING:
+            return
+        cache = self.cache(optimizer)
+        journal = Journal()
+        try:
+            for model_param in cache.models:
+                if model_param.grad is not None:
+                    journal.set(model_param, "grad", None)
+            for name, value in (("stash", {}), ("dropped", {}), ("found_inf", None),
+                                ("loss_ids", frozenset()), ("overflow_flags", ()),
+                                ("_decision", None),
+                                ("stage", Stage.READY)):
+                journal.set(self, name, value)
+        except BaseException:
+            journal.rollback()
+            raise
+
+    # -- transitions around step -----------------------------------------------------------
+    def decide_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> StepDecision:
+        """Before the optimizer's step: skip it or not (recorded; committed by `after_step`).
+
+        .. note:: Reads the device overflow flag with one `.item()`: the only host sync of a
+           step, and only when a checked `scale_loss` ran since the last step. Fused torch
+           optimizers that take `found_inf` (`_step_supports_amp_scaling`) get the device
+           flag instead and skip inside their kernel: no sync.
+        """
+        if self.stage in (Stage.SCALING, Stage.SCALED):
+            raise RuntimeError(
+                "optimizer.step() was called while gradients are still scaled: the last "
+                "scale_loss(..., delay_unscale=True) must be followed by a scale_loss without "
+                "delay_unscale before step()." if self.stage is Stage.SCALED else
+                "optimizer.step() was called inside a scale_loss block; step after the block."
+            )
+        if closure is not None and self.policy.scales:
+            raise RuntimeError(
+                "Currently, Amp does not support closure use with optimizers. "
+                "(ampx: step(closure) cannot be combined with loss scaling; run the closure's "
+                "loss through ampx.scale_loss and call step() without a closure.)"
+            )
+        self.cache(optimizer)
+        decision = StepDecision()
+        found = self.found_inf
+        if self.stage is Stage.UNSCALED and found is not None and self.policy.skips:
+            if getattr(optimizer, "_step_supports_amp_scaling", False):
+                decision.flag = found
+            else:
+                decision.skip = bool(found.item())  # the one host sync of a step
+        self._decision = decision
+        return decision
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the optimizer's step: copy masters to the model, then commit the step.
+
+        Rolls forward (the parameters already moved): if the copy kernel fails it is redone
+        on the reference path, the step is committed, and the error is re-raised.
+        """
+        decision = self._decision or StepDecision()
+        cache = self.cache(optimizer)
+        error: BaseException | None = None
+        if cache.pairs and not decision.skip:
+            error = _copy_masters(cache)
+        try:
+            if decision.skip:
+                self.policy.on_overflow(sorted(self.loss_ids))
+                self.policy.on_skip(optimizer, self)
+        finally:
+            self._commit_step(cache, decision)
+        self.policy.on_step(optimizer, self)
+        if error is not None:
+            raise error
+
+    def _commit_step(self, cache: ParamCache, decision: StepDecision) -> None:
+        for master in cache.masters:  # as apex: master grads are consumed by the step
+            master.grad = None
+        self.steps += 1
+        if decision.flag is not None:
+            flag = decision.flag.reshape(())
+            self._last_skip = flag > 0
+            self._skipped_device = (flag > 0).int() if self._skipped_device is None \
+                else self._skipped_device + (flag > 0).int()
+        else:
+            self._last_skip = decision.skip
+            self._skipped += int(decision.skip)
+        self.found_inf = None
+        self.loss_ids = frozenset()
+        self.overflow_flags = ()
+        self._decision = None
+        self.stage = Stage.READY
+
+
+def _copy_masters(cache: ParamCache) -> BaseException | None:
+    """Copy the masters into the half model params; on failure redo it with plain torch."""
+    with torch.no_grad():
+        try:
+            _ext.copy_(cache.masters, cache.models)
+            return None
+        except BaseException as exc:
+            for master, model in zip(cache.masters, cache.models):
+                model.copy_(master)
+            return exc
+
+
+def amp_state_of(optimizer: Any) -> OptimizerAmpState | None:
+    """The ampx state of an optimizer, or None if it never went through initialize."""
+    return getattr(optimizer, ATTR, None)
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters the optimizer steps: the fp32 masters at O2, valid right after initialize.
+
+    Clip gradients over these (not `model.parameters()`): after `scale_loss` they hold the
+    unscaled gradients. Half parameters added with `add_param_group` after initialize get
+    their masters here at the latest.
+    """
+    state = amp_state_of(optimizer)
+    if state is not None:
+        state.cache(optimizer)
+    return list(optimizer_params(optimizer))

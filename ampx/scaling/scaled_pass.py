@@ -1,0 +1,109 @@
+"""One `scale_loss` pass over one or more optimizers, committed all at once or not at all.
+
+`ScaledPass` strings the per-optimizer transitions of `ampx.scaling.protocol` together: `begin`
+moves every optimizer to SCALING (or none), `abort` puts every one back, and `end` computes every
+optimizer's new gradients, the pass's overflow flag (agreed across ranks) and the scaler's next
+state into fresh tensors, then commits all of it through one `Journal`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from . import unscale
+from .journal import Journal
+from .protocol import OptimizerAmpState
+from .scaler import LossScaler
+
+__all__ = ["ScaledPass"]
+
+
+class ScaledPass:
+    """One `scale_loss` pass over one or more optimizers: `begin`, then `end` or `abort`.
+
+    Args:
+        optimizers: The optimizers whose parameters get gradients from this backward.
+        states: Their ampx states, in the same order.
+        scaler: The loss scaler of this pass.
+        sync: Agrees on the overflow flag across ranks (in place; a no-op when single).
+    """
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer],
+                 states: Sequence[OptimizerAmpState], scaler: LossScaler,
+                 sync: Callable[[torch.Tensor], None]) -> None:
+        self.pairs = list(zip(optimizers, states))
+        self.scaler = scaler
+        self.sync = sync
+
+    def begin(self) -> None:
+        """Every optimizer to SCALING, or none (a failure undoes the ones already moved)."""
+        done: list[tuple[torch.optim.Optimizer, OptimizerAmpState]] = []
+        try:
+            for opt, state in self.pairs:
+                state.begin_backward(opt)
+                done.append((opt, state))
+        except BaseException:
+            for opt, state in reversed(done):
+                state.abort_backward(opt)
+            raise
+
+    def abort(self) -> None:
+        """Every optimizer back to where it was before `begin`."""
+        for opt, state in reversed(self.pairs):
+            state.abort_backward(opt)
+
+    def end(self, loss: torch.Tensor, *, loss_id: int, delay_unscale: bool = False,
+            check: bool = True) -> None:
+        """Finish the pass: unscale and check (or keep scaled), then commit everything at once.
+
+        Args:
+            loss: The unscaled loss (kept for telemetry).
+            loss_id: The scaler's index, recorded for the step's overflow report.
+            delay_unscale: Leave the gradients scaled (stage SCALED).
+            check: Update the scale and the step flag (False: apex's delay_overflow_check).
+
+        On any exception the pass is aborted: every optimizer is as before `begin`.
+        """
+        try:
+            self._end(loss, loss_id, delay_unscale, check)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _end(self, loss: torch.Tensor, loss_id: int, delay_unscale: bool, check: bool) -> None:
+        journal = Journal()
+        if delay_unscale:
+            try:
+                for _, state in self.pairs:
+                    state.commit_delayed(journal)
+            except BaseException:
+                journal.rollback()
+                raise
+            return
+        scaler = self.scaler
+        found = torch.zeros(1, dtype=torch.float32, device=scaler.device)
+        inv_scale = scaler.inv_scale()
+        unit = scaler.unit_scale()
+        works: list[unscale.UnscaleWork] = []
+        flags: list[torch.Tensor | None] = []
+        for opt, state in self.pairs:
+            work = unscale.plan(state.cache(opt), state.stash)
+            flags.append(unscale.run(work, inv_scale, found,
+                                     state.policy.per_tensor, unit))
+            works.append(work)
+        new_scaler = None
+        if check:
+            self.sync(found)
+            new_scaler = scaler.next_state(found)
+        try:
+            for (_, state), work, per in zip(self.pairs, works, flags):
+                flag = state.next_flag(found) if check and state.policy.skips else None
+                state.commit_unscale(journal, work, flag, loss_id if check else None, loss,
+                                     per)
+            if new_scaler is not None:
+                scaler.commit(journal, new_scaler)
+        except BaseException:
+            journal.rollback()
+            raise

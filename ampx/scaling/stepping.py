@@ -1,0 +1,181 @@
+"""How an initialized optimizer's own `step` and `zero_grad` reach the protocol.
+
+ampx never replaces `step`: it acts through torch's optimizer step hooks, so the optimizer
+keeps its identity and class and LR schedulers (created before or after initialize) keep
+counting steps.
+
+- The pre-hook asks the state (`OptimizerAmpState.decide_step`) whether this step is skipped.
+  A skipped step runs the optimizer's own `step` function on a stand-in: a shallow copy of the
+  optimizer whose parameter groups hold no parameters and whose state is a copy
+  (`_standin`). Nothing the step does reaches the real optimizer, its parameters or its state,
+  whatever the optimizer does first (decoupled weight decay, custom optimizers that don't
+  check `p.grad is None`, global counters); if that step raises, nothing changed either.
+  Chosen over emptying the real groups for the step (which a raising step leaves emptied,
+  and which optimizers that cached their parameter list, like LBFGS, ignore) and over an
+  instance-level `step` wrapper (which LR schedulers created before initialize would not
+  see). Fused torch optimizers that take the device flag (`_step_supports_amp_scaling`)
+  receive it as `optimizer.found_inf` (as `torch.amp.GradScaler` hands it) and skip inside
+  their kernel, so their steps never sync with the host.
+- The post-hook commits the step (`after_step`): the O2 master -> model copy and counters.
+- `zero_grad` gets a small instance-level handler (the class's method is untouched): it runs
+  the optimizer's own `zero_grad`, then `OptimizerAmpState.zero_grad` (at O2 the half model
+  gradients and a pending delay_unscale accumulation are released, as apex's O2 zero_grad did).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from ..o1 import suspend
+from .apex_stash import METHOD_NAMES
+from .masters import MasterMap
+from .protocol import ATTR, OptimizerAmpState, SessionHooks, amp_state_of
+
+__all__ = ["attach", "check_optimizers", "detach"]
+
+_FUSED_ATTRS = ("grad_scale", "found_inf")
+
+
+def check_optimizers(optimizers: Any) -> tuple[list[torch.optim.Optimizer], bool]:
+    """Normalise `optimizers` to a list; returns (optimizers, was_list).
+
+    Raises:
+        TypeError: For anything but an optimizer, a list of them, or None.
+        RuntimeError: For an optimizer already passed through initialize (apex's message).
+    """
+    if optimizers is None:
+        return [], False
+    if isinstance(optimizers, torch.optim.Optimizer):
+        out, was_list = [optimizers], False
+    elif isinstance(optimizers, list) and all(
+        isinstance(o, torch.optim.Optimizer) for o in optimizers
+    ):
+        out, was_list = list(optimizers), True
+    else:
+        raise TypeError(
+            "optimizers must be either a single optimizer or a list of optimizers. "
+            f"ampx.initialize got {type(optimizers).__name__}."
+        )
+    if len({id(o) for o in out}) != len(out):
+        raise RuntimeError("ampx.initialize: the same optimizer appears twice in the list.")
+    for opt in out:
+        if amp_state_of(opt) is not None or hasattr(opt, "_amp_stash"):
+            raise RuntimeError(
+                "A given optimizer should only be passed through amp.initialize once."
+            )
+        for name in METHOD_NAMES:
+            if hasattr(opt, name):
+                raise RuntimeError(f"Incoming optimizer already has {name} defined.")
+    return out, was_list
+
+
+class _ZeroGrad:
+    """The instance-level `zero_grad`: the optimizer's own, then the protocol's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, original: Any) -> None:
+        self._ref = weakref.ref(optimizer)
+        self.original = original  # the instance attribute it replaced, or None
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        suspend.resume()  # a step that raised left O1's patches swapped out
+        optimizer = self._ref()
+        if optimizer is None:
+            return
+        if self.original is not None:
+            self.original(set_to_none)
+        else:
+            type(optimizer).zero_grad(optimizer, set_to_none)
+        state = amp_state_of(optimizer)
+        if state is not None:
+            state.zero_grad(optimizer)
+
+
+class _Detach:
+    """A removable handle that puts the optimizer's `zero_grad` back."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, handler: _ZeroGrad) -> None:
+        self._ref = weakref.ref(optimizer)
+        self._handler = handler
+
+    def remove(self) -> None:
+        optimizer = self._ref()
+        if optimizer is None or vars(optimizer).get("zero_grad") is not self._handler:
+            return
+        if self._handler.original is not None:
+            optimizer.zero_grad = self._handler.original  # type: ignore[method-assign]
+        else:
+            del optimizer.zero_grad
+
+
+def attach(optimizer: torch.optim.Optimizer, owner: object, masters: MasterMap,
+           policy: SessionHooks) -> OptimizerAmpState:
+    """Give `optimizer` its ampx state, step hooks and zero_grad handler.
+
+    Args:
+        optimizer: The optimizer (kept as is: same object, same class).
+        owner: The session, stored opaquely for the frontend.
+        masters: The O2 model-parameter -> master map.
+        policy: What the session decided (skip policy, callbacks).
+    """
+    state = OptimizerAmpState(owner=owner, policy=policy, masters=masters)
+    state._groups_seen = len(optimizer.param_groups)
+    handler = _ZeroGrad(optimizer, vars(optimizer).get("zero_grad"))
+    state.handles.append(optimizer.register_step_pre_hook(_step_pre_hook))
+    state.handles.append(optimizer.register_step_post_hook(_step_post_hook))
+    optimizer.zero_grad = handler  # type: ignore[method-assign]
+    state.handles.append(_Detach(optimizer, handler))
+    setattr(optimizer, ATTR, state)
+    return state
+
+
+def detach(optimizer: torch.optim.Optimizer) -> None:
+    """Undo `attach` (initialize failed half-way; also used by tests)."""
+    state = amp_state_of(optimizer)
+    if state is not None:
+        state.detach()
+        delattr(optimizer, ATTR)
+
+
+def _standin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A shallow copy of `optimizer` with no parameters and copied state (for skipped steps)."""
+    shell = object.__new__(type(optimizer))  # no __init__/__setstate__: nothing runs
+    vars(shell).update(vars(optimizer))
+    shell.param_groups = [dict(group, params=[]) for group in optimizer.param_groups]
+    shell.state = defaultdict(dict, {k: dict(v) if isinstance(v, dict) else v
+                                     for k, v in optimizer.state.items()})
+    return shell
+
+
+def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+    suspend.resume()  # a previous step that raised left O1's patches swapped out
+    state = amp_state_of(optimizer)
+    if state is None:
+        return None
+    for name in _FUSED_ATTRS:  # left over from a fused step that raised
+        vars(optimizer).pop(name, None)
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
+    decision = state.decide_step(optimizer, closure)
+    if decision.skip:
+        return (_standin(optimizer), *args[1:]), kwargs
+    if suspend.for_loop(optimizer):
+        suspend.suspend()  # the step's per-parameter ops run on torch's originals
+    if decision.flag is not None:
+        optimizer.grad_scale = None  # type: ignore[attr-defined]  # already unscaled
+        optimizer.found_inf = decision.flag.reshape(())  # type: ignore[attr-defined]
+    return None
+
+
+def _step_post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    try:
+        state = amp_state_of(optimizer)
+        if state is None:
+            return
+        for name in _FUSED_ATTRS:
+            vars(optimizer).pop(name, None)
+        state.after_step(optimizer)
+    finally:
+        suspend.resume()

@@ -1,0 +1,517 @@
+"""`ampx sweep`: metrics, table and files, orchestration with a fake script, and real runs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ampx import telemetry
+from ampx.cli import main as cli
+from ampx.cli import sweep
+from ampx.cli.sweep import SweepConfig
+from ampx.cli.sweep import plot as sweep_plot
+from ampx.cli.sweep import report as sweep_report
+from ampx.cli.sweep import stats as sweep_stats
+from ampx.cli.sweep.stats import Row
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _steps(losses: list[float], *, step_time: float = 0.1, scale: float = 1.0,
+           mem: int = 100 * 2**20, skipped: tuple[int, ...] = ()) -> list[dict]:
+    return [{"event": "step", "step": i + 1, "optimizer": 0, "step_time_s": step_time,
+             "loss": loss, "loss_scale": scale, "skipped": i in skipped, "peak_mem_bytes": mem}
+            for i, loss in enumerate(losses)]
+
+
+def _row(label: str, level: str, dtype: str | None, steps: list[dict]) -> Row:
+    row = Row(label=label, opt_level=level, dtype=dtype, status="ok")
+    return sweep_stats.summarize(row, {"event": "init"}, steps)
+
+
+def test_build_configs_runs_o0_once_first() -> None:
+    configs = sweep.build_configs(["O1", "O0", "O3"], ["fp16", "bf16"], autocast=True)
+    assert [c.label for c in configs] == ["O0", "O1 fp16", "O1 bf16", "O3 fp16", "O3 bf16",
+                                          "autocast fp16", "autocast bf16"]
+    assert configs[-1].autocast and configs[-1].slug == "autocast-bf16"
+    assert [c.label for c in sweep.build_configs(["O2"], ["bf16"], autocast=False)] == ["O2 bf16"]
+
+
+def test_summarize_and_compare_against_o0() -> None:
+    base = _row("O0", "O0", None, _steps([4.0] * 9 + [2.0], step_time=0.2, mem=200 * 2**20))
+    fast = _row("O2 bf16", "O2", "bf16",
+                _steps([4.0] * 9 + [2.2], step_time=0.1, scale=128.0, skipped=(0, 1)))
+    nan = _row("O3 bf16", "O3", "bf16", _steps([4.0] * 9 + [math.nan]))
+    huge = _row("O1 bf16", "O1", "bf16", _steps([4.0] * 9 + [25.0]))
+    crashed = Row(label="O3 fp16", opt_level="O3", dtype="fp16", status="error",
+                  error="exit 1: RuntimeError: boom")
+    rows = [base, fast, nan, huge, crashed]
+    sweep_stats.compare(rows)
+
+    assert base.speedup == 1.0 and base.loss_delta == 0.0
+    assert fast.speedup == pytest.approx(2.0)
+    assert fast.mem_ratio == pytest.approx(0.5)
+    assert fast.final_loss == pytest.approx(2.2)  # mean of the last 10% (one step here)
+    assert fast.loss_delta == pytest.approx(0.1)
+    assert (fast.skipped, fast.final_scale, fast.status) == (2, 128.0, "ok")
+    assert nan.status == "diverged" and "nan" in (nan.error or "")
+    assert huge.status == "diverged"  # > 10x O0's final loss
+    assert crashed.speedup is None
+
+    table = sweep_report.format_table(rows)
+    lines = table.splitlines()
+    assert lines[0].split()[:3] == ["config", "status", "speed-up"]
+    assert lines[3].split()[:3] == ["O2", "bf16", "ok"]
+    assert "2.00x" in lines[3] and "+10.00%" in lines[3] and "0.50x" in lines[3]
+    assert "O3 fp16: error: exit 1: RuntimeError: boom" in table
+    assert "O3 bf16: diverged: final loss nan" in table
+
+
+def test_table_notes_noisy_timings() -> None:
+    steady = _row("O0", "O0", None, _steps([1.0] * 12, step_time=0.5))
+    records = _steps([1.0] * 12)
+    for i, record in enumerate(records):
+        record["step_time_s"] = 0.1 if i % 2 else 0.9
+    noisy = _row("O2 bf16", "O2", "bf16", records)
+    rows = [steady, noisy]
+    sweep_stats.compare(rows)
+    assert steady.step_time_spread == pytest.approx(1.0)
+    assert noisy.step_time_spread is not None and noisy.step_time_spread > 5
+    table = sweep_report.format_table(rows)
+    assert "O2 bf16: note: step times varied" in table and "O0: note" not in table
+    assert "--repeat" in table
+
+
+def test_compare_without_o0_only_flags_non_finite() -> None:
+    rows = [_row("O2 bf16", "O2", "bf16", _steps([1.0, 50.0])),
+            _row("O3 bf16", "O3", "bf16", _steps([1.0, math.inf]))]
+    sweep_stats.compare(rows)
+    assert [r.status for r in rows] == ["ok", "diverged"]
+    assert rows[0].speedup is None
+
+
+def test_read_telemetry_skips_torn_lines_and_keeps_the_last_session(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    records = [{"event": "init", "opt_level": "O1"}, *_steps([9.0]),
+               {"event": "init", "opt_level": "O2"}, *_steps([1.0, 2.0])]
+    records.append({**records[-1], "optimizer": 1})
+    path.write_text("\n".join(json.dumps(r) for r in records) + '\n{"event": "st')
+    init, steps = telemetry.read_telemetry(path)
+    assert init == {"event": "init", "opt_level": "O2"}
+    assert [s["loss"] for s in steps] == [1.0, 2.0]
+    assert telemetry.read_telemetry(tmp_path / "missing.jsonl") == (None, [])
+
+
+def test_command_for_example_and_user_script(tmp_path: Path) -> None:
+    spec = sweep.SweepSpec(script=tmp_path / "ex.py", script_args=["--x"], configs=[],
+                           out=tmp_path, steps=5, example="transformer",
+                           run_options=["--quiet"])
+    cmd = sweep.command_for(spec, SweepConfig("O2", "bf16"), tmp_path / "t.jsonl")
+    assert cmd[1:4] == ["-m", "ampx", "run"]
+    assert cmd[cmd.index("--opt-level") + 1] == "O2" and cmd[cmd.index("--dtype") + 1] == "bf16"
+    assert cmd[-4:] == [str(tmp_path / "ex.py"), "--x", "--steps", "5"]
+    auto = sweep.command_for(spec, SweepConfig(None, "bf16"), tmp_path / "t.jsonl")
+    assert "--opt-level" not in auto and auto[-3:] == ["--autocast", "--dtype", "bf16"]
+    spec.example = None
+    user = sweep.command_for(spec, SweepConfig("O0", None), tmp_path / "t.jsonl")
+    assert user[-2:] == [str(tmp_path / "ex.py"), "--x"] and "--dtype" not in user
+    assert user[user.index("--max-steps") + 1] == "5"
+
+
+FAKE_SCRIPT = textwrap.dedent("""
+    # Stands in for `ampx run`: writes telemetry the way ampx would, per configuration.
+    import json, os, sys
+    level, dtype = sys.argv[1], sys.argv[2]
+    if level == "O3":
+        print("Traceback (most recent call last):", file=sys.stderr)
+        print("RuntimeError: O3 exploded", file=sys.stderr)
+        sys.exit(1)
+    with open(os.environ["AMPX_TELEMETRY"], "a") as f:
+        f.write(json.dumps({"event": "init", "opt_level": level, "dtype": dtype}) + "\\n")
+        for i in range(5):
+            loss = float("nan") if level == "O2" and i == 4 else 5.0 - i
+            f.write(json.dumps({"event": "step", "step": i + 1, "optimizer": 0,
+                                "step_time_s": 0.2 if level == "O0" else 0.1, "loss": loss,
+                                "loss_scale": 65536.0, "skipped": False,
+                                "peak_mem_bytes": 2**20}) + "\\n")
+""")
+
+
+def test_run_sweep_with_a_fake_script_keeps_going_after_failures(tmp_path: Path) -> None:
+    fake = tmp_path / "fake.py"
+    fake.write_text(FAKE_SCRIPT)
+    spec = sweep.SweepSpec(script=fake, script_args=[], out=tmp_path / "out",
+                           configs=sweep.build_configs(["O0", "O1", "O2", "O3"], ["bf16"],
+                                                       autocast=False))
+
+    def launcher(config: SweepConfig, telemetry: Path) -> list[str]:
+        return [sys.executable, str(fake), config.opt_level or "-", config.dtype or "-"]
+
+    progress: list[str] = []
+    rows = sweep.run_sweep(spec, progress=progress.append, launcher=launcher)
+    assert [(r.label, r.status) for r in rows] == [
+        ("O0", "ok"), ("O1 bf16", "ok"), ("O2 bf16", "diverged"), ("O3 bf16", "error")]
+    assert rows[1].speedup == pytest.approx(2.0)
+    assert rows[3].error == "exit 1: RuntimeError: O3 exploded"
+    assert len(progress) == 8 and progress[-1].startswith("[4/4] O3 bf16: error")
+    assert Path(rows[3].log or "").read_text().strip().endswith("O3 exploded")
+
+    out = tmp_path / "out"
+    data = json.loads(sweep_report.write_json(rows, out / "sweep.json", {"steps": 5}).read_text())
+    assert data["meta"] == {"steps": 5}
+    assert data["rows"][2]["series"]["loss"][-1] == "nan"
+    with open(sweep_report.write_csv(rows, out / "sweep.csv"), newline="") as handle:
+        table = list(csv.DictReader(handle))
+    assert [r["status"] for r in table] == ["ok", "ok", "diverged", "error"]
+    png = sweep_plot.write_png(rows, out / "sweep.png")
+    assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_repeat_keeps_the_fastest_run_and_any_failure(tmp_path: Path) -> None:
+    fake = tmp_path / "fake.py"
+    fake.write_text(FAKE_SCRIPT)
+    spec = sweep.SweepSpec(script=fake, script_args=[], out=tmp_path / "out", repeat=2,
+                           configs=sweep.build_configs(["O0", "O3"], ["bf16"], autocast=False))
+    progress: list[str] = []
+    rows = sweep.run_sweep(spec, progress=progress.append, launcher=lambda config, _: [
+        sys.executable, str(fake), config.opt_level or "-", config.dtype or "-"])
+    assert [(r.label, r.status) for r in rows] == [("O0", "ok"), ("O3 bf16", "error")]
+    # every other round runs in reverse order, so a drift in machine speed hits both alike
+    started = [line.split(":")[0] for line in progress if line.endswith(": running")]
+    assert started == ["[1/4] O0", "[2/4] O3 bf16", "[3/4] O3 bf16", "[4/4] O0"]
+    assert progress[-1].startswith("[4/4] O0: ok")
+    assert (tmp_path / "out" / "runs" / "O0.2.jsonl").exists()
+
+
+def test_write_png_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    assert sweep_plot.write_png([], tmp_path / "sweep.png") is None
+
+
+CRASHING_SCRIPT = textwrap.dedent("""
+    import torch
+    from apex import amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    if amp._amp_state.opt_properties.opt_level == "O3":
+        raise RuntimeError("this script cannot run at O3")
+    for _ in range(100):
+        loss = model(torch.randn(16, 8)).float().pow(2).mean()
+        optimizer.zero_grad()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+""")
+
+
+@pytest.mark.slow
+def test_cli_sweep_user_script_with_a_crashing_configuration(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(CRASHING_SCRIPT)
+    out = tmp_path / "out"
+    assert cli.main(["sweep", str(script), "--levels", "O0,O3", "--steps", "4", "--out",
+                     str(out), "--no-plot"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0].split()[:2] == ["config", "status"]
+    status = {" ".join(line.split()[:2]): line.split()[2] for line in lines[2:4]}
+    assert status == {"O0 ok": "1.00x", "O3 bf16": "error"}
+    assert "O3 bf16: error: exit 1: RuntimeError: this script cannot run at O3" in captured.out
+    assert "[2/2] O3 bf16: error" in captured.err
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    assert [r["steps"] for r in rows] == [4, 0]  # --max-steps stopped the 100-step loop
+    assert (out / "sweep.csv").exists() and not (out / "sweep.png").exists()
+
+
+@pytest.mark.slow
+def test_sweep_builtin_example_as_a_process(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ampx", "sweep", "--example", "transformer", "--levels", "O0,O2",
+         "--steps", "3", "--out", str(out), "--", "--d-model", "64", "--layers", "1",
+         "--seq-len", "16", "--batch-size", "4"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    labels = [line.split()[0:2] for line in proc.stdout.splitlines()[2:5]]
+    assert labels == [["O0", "ok"], ["O2", "bf16"], ["autocast", "bf16"]]
+    assert "error" not in proc.stdout and "diverged" not in proc.stdout
+    for name in ("sweep.json", "sweep.csv", "sweep.png"):
+        assert (out / name).stat().st_size > 0
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    assert [r["steps"] for r in rows] == [3, 3, 3]
+    assert rows[1]["init"]["dtype"] == "bfloat16" and rows[2]["init"]["opt_level"] == "autocast"
+
+
+# -- trust: load, spread, marking --------------------------------------------------------------
+
+def test_speedup_range_comes_from_the_quartiles() -> None:
+    base = _row("O0", "O0", None, _steps([1.0] * 9, step_time=0.2))
+    fast = _row("O2 bf16", "O2", "bf16", _steps([1.0] * 9, step_time=0.1))
+    base.step_time_q1, base.step_time_q3 = 0.18, 0.22
+    fast.step_time_q1, fast.step_time_q3 = 0.09, 0.12
+    sweep_stats.compare([base, fast])
+    assert fast.speedup == pytest.approx(2.0)
+    assert fast.speedup_low == pytest.approx(0.18 / 0.12)
+    assert fast.speedup_high == pytest.approx(0.22 / 0.09)
+    line = sweep_report.format_table([base, fast]).splitlines()[3]
+    assert "2.00x" in line and "1.50-2.44" in line and "steady" in line
+
+
+def test_rows_run_while_other_processes_load_the_machine_are_unreliable() -> None:
+    base = _row("O0", "O0", None, _steps([1.0] * 9, step_time=0.2))
+    fast = _row("O2 bf16", "O2", "bf16", _steps([1.0] * 9, step_time=0.1))
+    base.other_cpus, base.load_avg = 64.0, 70.0  # far above any machine's 10%
+    fast.other_cpus = 0.0
+    rows = [base, fast]
+    sweep_stats.compare(rows)
+    assert base.unreliable is not None and "other processes used 64.0" in base.unreliable
+    # O2's own run was quiet, but its speed-up divides by O0's disturbed time
+    assert fast.unreliable is not None and fast.unreliable.startswith("O0's run was disturbed")
+    table = sweep_report.format_table(rows)
+    assert table.splitlines()[2].split()[4] == "UNRELIABLE"
+    assert "O0: note: other processes used 64.0" in table and "--repeat" in table
+    base.other_cpus = 0.0
+    sweep_stats.compare(rows)
+    assert base.unreliable is None and fast.unreliable is None
+    assert "UNRELIABLE" not in sweep_report.format_table(rows)
+
+
+def test_load_meter_subtracts_its_own_and_the_runs_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([100.0, 104.0])
+    busy = iter([1000.0, 1010.0])  # the machine was busy 10 CPU-seconds
+    ours = iter([50.0, 54.0])  # 4 of them were this process and the run
+    monkeypatch.setattr(sweep_stats.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(sweep_stats, "_busy_seconds", lambda: next(busy))
+    monkeypatch.setattr(sweep_stats.LoadMeter, "_our_cpu", staticmethod(lambda: next(ours)))
+    meter = sweep_stats.LoadMeter()
+    row = Row(label="O0", opt_level="O0", dtype=None)
+    meter.finish(row)
+    assert row.other_cpus == pytest.approx(6.0 / 4.0)  # others: 6 CPU-seconds in 4 s
+    assert row.load_avg is not None
+
+
+def test_load_meter_reads_this_machine() -> None:
+    meter = sweep_stats.LoadMeter()
+    row = Row(label="O0", opt_level="O0", dtype=None)
+    sum(i * i for i in range(200_000))  # this process's own work is not "other load"
+    meter.finish(row)
+    assert row.other_cpus is not None and row.other_cpus >= 0.0
+
+
+def test_progress_draws_a_bar_on_a_tty_and_lines_otherwise() -> None:
+    import io
+
+    config = SweepConfig("O1", "bf16")
+    tty = io.StringIO()
+    bar = sweep_report.Progress(tty, tty=True)
+    bar.steps(config, 10, 40, 0.25)
+    bar.line("[1/2] O1 bf16: ok")
+    assert tty.getvalue().startswith("\r  O1 bf16: [#######.......................] 10/40 steps, "
+                                     "250 ms/step")
+    assert tty.getvalue().endswith("\n[1/2] O1 bf16: ok\n")
+    log = io.StringIO()
+    lines = sweep_report.Progress(log, tty=False, interval_s=0.0)
+    lines.steps(config, 3, None, None)
+    lines.steps(config, 4, None, 0.5)
+    assert log.getvalue() == "  O1 bf16: 3 steps\n  O1 bf16: 4 steps, 500 ms/step\n"
+
+
+SLOW_FAKE = textwrap.dedent("""
+    # Writes one step record every 0.3 s; the O1 run never ends on its own.
+    import json, os, sys, time
+    level = sys.argv[1]
+    with open(os.environ["AMPX_TELEMETRY"], "a") as f:
+        f.write(json.dumps({"event": "init", "opt_level": level}) + "\\n")
+        for i in range(10_000 if level == "O1" else 4):
+            f.write(json.dumps({"event": "step", "step": i + 1, "optimizer": 0,
+                                "step_time_s": 0.3, "loss": 1.0, "loss_scale": 1.0,
+                                "skipped": False, "peak_mem_bytes": 2**20}) + "\\n")
+            f.flush()
+            time.sleep(0.3)
+""")
+
+
+def _slow_launcher(fake: Path) -> sweep.Launcher:
+    return lambda config, _: [sys.executable, str(fake), config.opt_level or "-"]
+
+
+def test_step_progress_is_reported_while_a_run_goes(tmp_path: Path) -> None:
+    fake = tmp_path / "slow.py"
+    fake.write_text(SLOW_FAKE)
+    spec = sweep.SweepSpec(script=fake, script_args=[], out=tmp_path / "out", steps=4,
+                           configs=[SweepConfig("O0", None)])
+    seen: list[tuple[int, int | None]] = []
+    rows = sweep.run_sweep(spec, launcher=_slow_launcher(fake),
+                           on_steps=lambda config, done, total, step_s: seen.append((done, total)))
+    assert rows[0].status == "ok" and rows[0].steps == 4
+    assert len(seen) >= 2 and seen == sorted(seen) and seen[0][1] == 4
+
+
+def test_ctrl_c_stops_the_run_and_keeps_what_finished(tmp_path: Path) -> None:
+    import _thread
+    import threading
+
+    fake = tmp_path / "slow.py"
+    fake.write_text(SLOW_FAKE)
+    spec = sweep.SweepSpec(script=fake, script_args=[], out=tmp_path / "out",
+                           configs=sweep.build_configs(["O0", "O1", "O2"], ["bf16"],
+                                                       autocast=False))
+
+    timer = threading.Timer(1.0, _thread.interrupt_main)
+
+    def progress(text: str) -> None:
+        if text == "[2/3] O1 bf16: running":  # press Ctrl-C 1 s into the endless O1 run
+            timer.start()
+
+    try:
+        with pytest.raises(sweep.SweepInterrupted) as caught:
+            sweep.run_sweep(spec, progress=progress, launcher=_slow_launcher(fake))
+    finally:
+        timer.cancel()
+        if timer.is_alive():
+            timer.join()
+    rows = caught.value.rows
+    assert [(r.label, r.status) for r in rows] == [("O0", "ok"), ("O1 bf16", "interrupted")]
+    assert rows[1].steps >= 1 and rows[1].returncode is None
+    assert (rows[1].wall_s or 99) < 30  # the endless run was stopped, not waited for
+
+
+def test_cli_ctrl_c_writes_partial_results_and_exits_130(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    done = _row("O0", "O0", None, _steps([1.0] * 4))
+    stopped = Row(label="O1 bf16", opt_level="O1", dtype="bf16", status="interrupted",
+                  error="stopped by Ctrl-C")
+
+    def interrupted(*args: object, **kwargs: object) -> list[Row]:
+        raise sweep.SweepInterrupted([done, stopped])
+
+    monkeypatch.setattr(sweep, "run_sweep", interrupted)
+    out = tmp_path / "out"
+    assert cli.main(["sweep", str(script), "--levels", "O0,O1", "--out", str(out)]) == 130
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "interrupted" in captured.err
+    assert "O1 bf16: interrupted: stopped by Ctrl-C" in captured.out
+    data = json.loads((out / "sweep.json").read_text())
+    assert data["meta"]["interrupted"] is True
+    assert [r["status"] for r in data["rows"]] == ["ok", "interrupted"]
+    assert (out / "sweep.csv").exists() and not (out / "sweep.png").exists()
+
+
+# -- the figure -----------------------------------------------------------------------------
+
+def _titles(fig: object) -> list[str]:
+    return [ax.get_title() for ax in fig.axes]  # type: ignore[attr-defined]
+
+
+def test_figure_panels_styles_and_marks() -> None:
+    base = _row("O0", "O0", None, _steps([3.0, 2.0, 1.0], step_time=0.2))
+    o1 = _row("O1 bf16", "O1", "bf16", _steps([3.0, 2.0, 1.1], step_time=0.1))
+    o2 = _row("O2 bf16", "O2", "bf16", _steps([3.0, 2.1, 1.0], step_time=0.1))
+    rows = [base, o1, o2]
+    sweep_stats.compare(rows)
+    fig = sweep_plot.build_figure(rows, "t")
+    titles = _titles(fig)
+    assert not any("loss scale" in t for t in titles)  # bf16 at a static 1.0: no panel
+    assert any("process peak RSS" in t for t in titles)
+    loss_ax = fig.axes[titles.index("loss")]
+    styles = {(line.get_linestyle(), line.get_marker()) for line in loss_ax.get_lines()}
+    assert len(styles) == 3  # every configuration looks different, not only by colour
+    assert "UNRELIABLE" not in fig._suptitle.get_text()
+
+    o1.other_cpus = 64.0
+    scaled = _row("O1 fp16", "O1", "fp16", _steps([3.0, 2.0, 1.0], scale=65536.0))
+    rows = [base, o1, o2, scaled]
+    sweep_stats.compare(rows)
+    fig = sweep_plot.build_figure(rows, "t", device="cuda")
+    assert "loss scale" in _titles(fig)
+    assert any("CUDA max allocated" in t for t in _titles(fig))
+    assert "TIMINGS UNRELIABLE for O1 bf16" in fig._suptitle.get_text()
+
+
+def test_figure_of_an_all_failed_sweep_lists_the_failures(tmp_path: Path) -> None:
+    rows = [Row(label="O0", opt_level="O0", dtype=None, status="error", error="exit 1: boom"),
+            Row(label="O2 bf16", opt_level="O2", dtype="bf16", status="timeout")]
+    fig = sweep_plot.build_figure(rows, "t")
+    assert len(fig.axes) == 1
+    text = fig.axes[0].texts[0].get_text()
+    assert "No configuration finished" in text and "O0: error: exit 1: boom" in text
+    png = sweep_plot.write_png(rows, tmp_path / "sweep.png")
+    assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
+
+
+ENDLESS_SCRIPT = textwrap.dedent("""
+    # Writes a step record every 0.2 s until it is stopped.
+    import json, os, time
+    with open(os.environ["AMPX_TELEMETRY"], "a") as f:
+        f.write(json.dumps({"event": "init", "opt_level": "O0"}) + "\\n")
+        step = 0
+        while True:
+            step += 1
+            f.write(json.dumps({"event": "step", "step": step, "optimizer": 0,
+                                "step_time_s": 0.2, "loss": 1.0, "loss_scale": 1.0,
+                                "skipped": False, "peak_mem_bytes": 2**20}) + "\\n")
+            f.flush()
+            time.sleep(0.2)
+""")
+
+
+@pytest.mark.slow
+def test_sigint_to_a_sweep_process_writes_partial_results(tmp_path: Path) -> None:
+    import signal
+
+    script = tmp_path / "endless.py"
+    script.write_text(ENDLESS_SCRIPT)
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ampx", "sweep", str(script), "--levels", "O0,O1", "--out",
+         str(out), "--no-plot"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    telemetry_file = out / "runs" / "O0.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+            telemetry_file.exists() and telemetry_file.read_text().count('"event": "step"') >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert "O0: interrupted: stopped by Ctrl-C" in stdout
+    data = json.loads((out / "sweep.json").read_text())
+    assert data["meta"]["interrupted"] is True
+    assert data["rows"][0]["status"] == "interrupted" and data["rows"][0]["steps"] >= 3
+    assert (out / "sweep.csv").exists()
+
+
+def test_skip_culprits_come_from_the_overflow_reports() -> None:
+    records = _steps([1.0] * 6, skipped=(1, 2, 3, 4))
+    records[1]["overflow"] = {"modules": [["fc2", 3], ["fc1", 1]]}
+    records[2]["overflow"] = {"modules": [["fc2", 1]]}
+    records[3]["overflow"] = {"modules": [["fc1", 2]], "forward_module": "attn"}
+    records[5]["overflow"] = {"modules": [["ignored", 1]]}  # not a skipped step
+    row = _row("O1 fp16", "O1", "fp16", records)
+    assert row.skip_culprits == [["fc2", 2], ["attn", 1]]
+    assert "O1 fp16: skipped steps overflowed first in fc2 (2), attn (1)" in \
+        sweep_report.format_table([row])

@@ -1,0 +1,201 @@
+"""The extension build: cache keys, failure reporting, progress, a missing compiler, and the
+CUDA sources under nvcc.
+
+Nothing here builds the real extension (CI does that with ``ampx build-ext`` before
+pytest, and tests/test_wheel.py from an installed wheel); the failure test compiles a
+one-line broken source, and the nvcc test compiles ``ampx/csrc/kernels_cuda.cu`` to an
+object file (skipped where nvcc is absent).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ampx import _build, _ext
+from ampx.cli import main as cli
+
+ROOT = Path(__file__).resolve().parents[2]
+CSRC = ROOT / "ampx" / "csrc"
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "cache"
+    monkeypatch.setenv("AMPX_CACHE_DIR", str(path))
+    return path
+
+
+def test_cache_dir_follows_env(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _build.cache_dir() == cache
+    monkeypatch.delenv("AMPX_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache / "xdg"))
+    assert _build.cache_dir() == cache / "xdg" / "ampx" / "ext"
+
+
+def test_sources_are_found_inside_the_package() -> None:
+    src = _build.source_dir()
+    assert src is not None and src.resolve() == CSRC.resolve()
+    assert src.parent == Path(_build.__file__).resolve().parent  # ships with the package
+    names = {p.name for p in _build.source_files(src)}
+    assert {"ampx.cpp", "kernels_cpu.cpp", "kernels_cuda.cu", "ampx.h"} <= names
+
+
+def test_missing_compiler_is_named_and_can_be_skipped(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CXX", "/nonexistent/bin/c++ -O2")
+    assert _build.find_compiler() == ("/nonexistent/bin/c++ -O2", None)
+    missing = _build.missing_compiler()
+    assert missing is not None and "CXX='/nonexistent/bin/c++ -O2' is not found" in missing
+    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler: CXX="):
+        _build.build()
+    assert not cache.exists()  # nothing started, nothing left behind
+
+    assert cli.main(["build-ext"]) == 1
+    err = capsys.readouterr().err
+    assert "ampx: build failed: ampx build-ext: no C++ compiler: CXX=" in err
+    assert cli.main(["build-ext", "--skip-without-compiler"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("ampx build-ext: SKIPPED, no C++ compiler: CXX=")
+    assert "pure-torch kernels" in err
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is not None:
+        monkeypatch.setenv("CXX", compiler)
+        assert _build.missing_compiler() is None
+    monkeypatch.delenv("CXX")
+    assert _build.find_compiler()[0] == ("cl" if sys.platform == "win32" else "c++")
+
+
+def test_heartbeat_reports_elapsed_time_and_objects(tmp_path: Path) -> None:
+    lines: list[str] = []
+    with _build._heartbeat(tmp_path, 2, lines.append, interval=0.05):
+        time.sleep(0.12)
+        (tmp_path / "ampx.o").write_bytes(b"")
+        time.sleep(0.2)
+    count = len(lines)
+    time.sleep(0.15)
+    assert len(lines) == count  # stopped with the block
+    assert lines[0].endswith("0 of 2 objects compiled")
+    assert lines[-1].endswith("1 of 2 objects compiled")
+    with _build._heartbeat(tmp_path, 2, None, interval=0.01):
+        time.sleep(0.05)  # no callback: no thread, nothing reported
+
+
+def test_publish_replaces_atomically(tmp_path: Path) -> None:
+    work = tmp_path / "build"
+    work.mkdir()
+    built = work / "ampx_C_x.so"
+    built.write_bytes(b"new")
+    old = tmp_path / "ampx_C_x.so"
+    old.write_bytes(b"old")
+    with old.open("rb") as loaded:  # a process holding the old library keeps it intact
+        assert _build._publish(built, tmp_path) == old
+        assert loaded.read() == b"old"
+    assert old.read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ampx_C_x.so", "build"]
+
+
+def test_key_tracks_torch_python_and_sources(tmp_path: Path) -> None:
+    src = tmp_path / "csrc"
+    shutil.copytree(CSRC, src)
+    key = _build._key(src, "AVX2", False)
+    assert torch.__version__.replace("+", "_") in key
+    assert f"py{sys.version_info[0]}{sys.version_info[1]}" in key
+    assert "avx2" in key and "cpu" in key
+    assert _build._key(src, "AVX2", True) != key
+    (src / "kernels_cpu.cpp").write_text((src / "kernels_cpu.cpp").read_text() + "\n// edit\n")
+    assert _build._key(src, "AVX2", False) != key
+
+
+def test_find_built_is_none_in_an_empty_cache(cache: Path) -> None:
+    assert _build.find_built() is None
+    assert _build.last_build_error() is None
+
+
+def test_flags_fix_numerics_and_isa() -> None:
+    cflags, cuda_cflags, _ = _build.build_flags("AVX512", cuda=True)
+    assert "-ffp-contract=off" in cflags and "-DCPU_CAPABILITY_AVX512" in cflags
+    assert "-DAMPX_WITH_CUDA" in cflags and "--fmad=false" in cuda_cflags
+    cflags, cuda_cflags, _ = _build.build_flags("DEFAULT", cuda=False)
+    assert not any(f.startswith("-m") for f in cflags) and cuda_cflags == []
+
+
+@pytest.mark.slow
+def test_build_failure_is_reported(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    pytest.importorskip("ninja")
+    src = tmp_path / "broken"
+    src.mkdir()
+    (src / "ampx.cpp").write_text('#error "ampx-test: deliberately broken source"\n')
+    with pytest.raises(RuntimeError, match="deliberately broken source"):
+        _build.build(src=src)
+    saved = _build.last_build_error(src)
+    assert saved is not None and "deliberately broken source" in saved
+    # What `ampx info` shows: the reference is used and the build error is the reason.
+    monkeypatch.setattr(_build, "source_dir", lambda: src)
+    monkeypatch.delenv("AMPX_DISABLE_EXT", raising=False)
+    native, _, reason = _ext._find()
+    if native is None:  # an ahead-of-time ampx._C would take precedence
+        assert reason is not None and "deliberately broken source" in reason
+
+
+def _torch_include() -> Path:
+    return Path(torch.__file__).resolve().parent / "include"
+
+
+@pytest.mark.slow
+def test_cuda_kernels_compile_with_nvcc(tmp_path: Path) -> None:
+    """Compile kernels_cuda.cu for real (-c) against torch's headers."""
+    if os.environ.get("AMPX_DISABLE_EXT") == "1":
+        pytest.skip("compiled in the native leg of CI; the sources do not depend on the env")
+    nvcc = _build._nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    include = _torch_include()
+    if not (include / "c10" / "cuda" / "CUDAStream.h").is_file():
+        pytest.skip("this torch wheel ships no c10/cuda headers")
+    shim = tmp_path / "shim"
+    macros = include / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    if not macros.is_file():
+        # CPU wheels lack this generated header; its whole content is this macro.
+        target = shim / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+        target.parent.mkdir(parents=True)
+        target.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    cmd = [
+        nvcc, "-std=c++20", "-c", str(CSRC / "kernels_cuda.cu"), "-o", str(tmp_path / "k.o"),
+        f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}", f"-I{shim}",
+        f"-I{CSRC}", "-DAMPX_WITH_CUDA", "--fmad=false", "-Xcompiler", "-fPIC",
+        "-arch=sm_80", "-w",
+    ]
+    # a limit for a hung compiler, not a speed check: nvcc takes minutes on a loaded 2-core box
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "k.o").stat().st_size > 0
+
+
+def test_ninja_comes_from_the_native_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ninja = pytest.importorskip("ninja")
+    monkeypatch.setenv("PATH", str(tmp_path))  # a venv used without activating it
+    with _build._ninja_on_path():
+        assert Path(shutil.which("ninja") or "").parent == Path(ninja.BIN_DIR)
+    assert os.environ["PATH"] == str(tmp_path)
+
+    monkeypatch.setitem(sys.modules, "ninja", None)  # not installed
+    with pytest.raises(RuntimeError, match=r"ninja is missing.*pip install 'ampx\[native\]'"):
+        with _build._ninja_on_path():
+            pass
+    assert os.environ["PATH"] == str(tmp_path)

@@ -1,0 +1,214 @@
+"""The per-iteration weight-cast cache: one cast per parameter per iteration, never stale."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampx
+from ampx.o1 import patch
+from ampx.o1.casting import WeightCastCache
+
+
+def _session(model: nn.Module, half: torch.dtype, optimizer: object = None) -> object:
+    out = ampx.initialize(model, optimizer, opt_level="O1", dtype=half, verbosity=0)
+    return out
+
+
+def _cache() -> WeightCastCache:
+    active = patch.active()
+    assert active is not None
+    return active.cache
+
+
+class Shared(nn.Module):
+    """One Linear used twice in a forward (weight tying / a recurrent step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.relu(self.lin(x)))
+
+
+def test_weight_used_twice_is_cast_once(half_dtype: torch.dtype) -> None:
+    model = Shared()
+    _session(model, half_dtype)
+    cache = _cache()
+    out = model(torch.rand(2, 8))
+    assert out.dtype == half_dtype
+    assert (cache.misses, cache.hits) == (2, 2)  # weight and bias: cast once, reused once
+    out.float().sum().backward()  # no IndexError (apex#1303): both uses reach the fp32 weight
+    assert model.lin.weight.grad is not None and model.lin.weight.grad.dtype == torch.float32
+
+
+def test_inplace_update_forces_a_recast(half_dtype: torch.dtype) -> None:
+    lin = nn.Linear(4, 4)
+    _session(lin, half_dtype)
+    cache = _cache()
+    x = torch.rand(2, 4)
+    first = lin(x)
+    with torch.no_grad():
+        lin.weight.add_(1.0)
+    second = lin(x)
+    assert cache.misses == 3  # weight, bias, then the updated weight again
+    expected = F.linear(x.to(half_dtype), lin.weight.to(half_dtype), lin.bias.to(half_dtype))
+    torch.testing.assert_close(second, expected)
+    assert not torch.equal(first, second)
+
+
+def test_load_state_dict_and_optimizer_step_are_never_served_stale(half_dtype: torch.dtype) -> None:
+    lin = nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    lin, opt = _session(lin, half_dtype, opt)  # type: ignore[misc]
+    x = torch.rand(2, 4)
+    with torch.no_grad():  # eval pass fills the cache (apex#796's setting)
+        lin(x)
+    lin.load_state_dict({"weight": torch.zeros(4, 4), "bias": torch.zeros(4)})
+    assert torch.count_nonzero(lin(x)) == 0
+    loss = lin(x).float().sum() + 1
+    loss.backward()
+    opt.step()
+    expected = F.linear(x, lin.weight, lin.bias).to(half_dtype)
+    torch.testing.assert_close(lin(x), expected)
+
+
+def test_data_assignment_forces_a_recast(half_dtype: torch.dtype) -> None:
+    lin = nn.Linear(4, 4, bias=False)
+    _session(lin, half_dtype)
+    x = torch.rand(2, 4)
+    lin(x)
+    lin.weight.data = torch.zeros(4, 4)
+    assert torch.count_nonzero(lin(x)) == 0
+
+
+def test_no_grad_entry_is_not_served_to_a_training_forward(half_dtype: torch.dtype) -> None:
+    lin = nn.Linear(4, 4)
+    _session(lin, half_dtype)
+    x = torch.rand(2, 4)
+    with torch.no_grad():
+        lin(x)
+    lin(x).float().sum().backward()
+    assert lin.weight.grad is not None
+    with torch.inference_mode():
+        lin(x)
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    with torch.inference_mode():
+        frozen(x)
+    xg = torch.rand(2, 4, requires_grad=True)
+    frozen(xg).float().sum().backward()  # no "inference tensors cannot be saved" error
+    assert xg.grad is not None
+
+
+def test_cache_is_cleared_when_an_iteration_ends(half_dtype: torch.dtype) -> None:
+    lin = nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    lin, opt = _session(lin, half_dtype, opt)  # type: ignore[misc]
+    loss = lin(torch.rand(2, 4)).float().sum()
+    assert len(_cache()) == 2
+    with ampx.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    assert len(_cache()) == 0
+    opt.step()
+
+
+def test_deepcopy_has_its_own_entries(half_dtype: torch.dtype) -> None:
+    lin = nn.Linear(4, 4)
+    _session(lin, half_dtype)
+    ema = copy.deepcopy(lin)
+    with torch.no_grad():
+        ema.weight.zero_()
+        ema.bias.zero_()
+    x = torch.rand(2, 4)
+    assert torch.count_nonzero(lin(x)) > 0
+    assert torch.count_nonzero(ema(x)) == 0
+    assert torch.count_nonzero(lin(x)) > 0
+
+
+def test_cache_object_directly() -> None:
+    cache = WeightCastCache()
+    p = nn.Parameter(torch.rand(3))
+    a = cache.bind(torch.float16)(p)
+    assert cache.bind(torch.float16)(p) is a and (cache.hits, cache.misses) == (1, 1)
+    assert cache.bind(torch.bfloat16)(p).dtype == torch.bfloat16 and len(cache) == 2
+    cache.clear()
+    assert len(cache) == 0 and cache.bind(torch.float16)(p) is not a
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_only_leaves_and_parameters_are_cached(requires_grad: bool) -> None:
+    _session(nn.Linear(2, 2), torch.bfloat16)
+    cache = _cache()
+    leaf = torch.rand(1, 3, requires_grad=requires_grad)
+    act = leaf * 2  # a non-leaf when requires_grad; never cached
+    assert torch.mul(act, torch.rand(1, 3)).dtype == act.dtype  # nothing cached
+    ns_mm = torch.mm(act, torch.rand(3, 1))
+    assert ns_mm.dtype == torch.bfloat16 and len(cache) == 0
+    torch.mm(leaf, torch.rand(3, 1))
+    assert len(cache) == (1 if requires_grad else 0)  # a leaf that requires grad: a weight
+
+
+def test_write_through_data_between_no_grad_forwards_is_never_served_stale(
+        half_dtype: torch.dtype) -> None:
+    """EMA swaps / WGAN clipping: `param.data` has its own version counter."""
+    lin = nn.Linear(4, 4)
+    _session(lin, half_dtype)
+    x = torch.rand(2, 4)
+    with torch.no_grad():
+        first = lin(x)
+        lin.weight.data.mul_(0.0)
+        lin.bias.data.copy_(torch.zeros(4))
+        assert torch.count_nonzero(lin(x)) == 0
+        assert torch.count_nonzero(first) > 0
+
+
+def test_long_lived_data_alias_keeps_the_parameter_out_of_the_cache(
+        half_dtype: torch.dtype) -> None:
+    lin = nn.Linear(4, 4, bias=False)
+    _session(lin, half_dtype)
+    cache = _cache()
+    alias = lin.weight.data  # held, written later
+    x = torch.rand(2, 4)
+    with torch.no_grad():
+        lin(x)
+        alias.zero_()
+        assert torch.count_nonzero(lin(x)) == 0
+    assert len(cache) == 0
+    del alias  # gone: cached again
+    with torch.no_grad():
+        lin(x)
+    assert len(cache) == 1
+
+
+def test_fake_tensors_are_never_cached() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _session(nn.Linear(2, 2), torch.bfloat16)
+    cache = _cache()
+    with FakeTensorMode() as mode:
+        lin = nn.Linear(4, 4)
+        out = lin(mode.from_tensor(torch.rand(2, 4)))
+    assert out.dtype == torch.bfloat16 and len(cache) == 0
+
+
+def test_parameters_the_lists_do_not_lower_are_never_cast_or_cached(half_dtype: torch.dtype
+                                                                     ) -> None:
+    """Weights go to the cache before any dtype or device test; a miss still applies them."""
+    _session(nn.Linear(2, 2), half_dtype)
+    cache = _cache()
+    x = torch.rand(2, 3, dtype=torch.float64)
+    wide = nn.Parameter(torch.rand(4, 3, dtype=torch.float64))
+    assert F.linear(x, wide).dtype == torch.float64  # float64 is never cast
+    low = nn.Parameter(torch.rand(4, 3).to(half_dtype))
+    assert F.linear(torch.rand(2, 3), low).dtype == half_dtype
+    assert len(cache) == 0 and cache.misses == 0
+    other = patch.Caster(patch.CastConfig(half_dtype, frozenset({"cuda"})))
+    cpu_weight = nn.Parameter(torch.rand(4, 3))
+    assert other.half_cast()(cpu_weight) is cpu_weight  # not a device this session casts
+    assert len(other.cache) == 0
+    ampx.restore()

@@ -1,0 +1,105 @@
+"""O1's wrappers are not entered during `optimizer.step()`; results are unchanged."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ampx
+from ampx.o1 import suspend
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adamw-for-loop": lambda p: torch.optim.AdamW(p, lr=0.1, foreach=False),
+    "adamw-foreach": lambda p: torch.optim.AdamW(p, lr=0.1, foreach=True),
+    "sgd-for-loop": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=False),
+    "sgd-foreach": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True),
+}
+
+
+def _train(make_opt: Callable[..., torch.optim.Optimizer], dtype: str,
+           steps: int = 3) -> tuple[list[int], list[torch.Tensor]]:
+    """O1 training; returns the wrapper entries counted in each `step()` and the params."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 2))
+    amp = ampx.Amp("O1", dtype=dtype, verbosity=0)
+    model, opt = amp.initialize(model, make_opt(model.parameters()))
+    entries: list[int] = []
+    count = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_name == "ampx_cast":
+            count[0] += 1
+
+    try:
+        x = torch.randn(4, 8)
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = model(x).float().square().mean()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            count[0] = 0
+            sys.setprofile(profile)
+            try:
+                opt.step()
+            finally:
+                sys.setprofile(None)
+            entries.append(count[0])
+            assert getattr(torch.Tensor.mul_, "__ampx_policy__", None) is not None
+        return entries, [p.detach().clone() for p in model.parameters()]
+    finally:
+        amp.restore()
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_no_o1_wrapper_entered_during_step(name: str, dtype: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    entries, params = _train(OPTIMIZERS[name], dtype)
+    assert entries == [0, 0, 0]
+    # Before (wrappers left in place during the step): same parameters, bit for bit.
+    monkeypatch.setattr(suspend, "suspend", lambda: None)
+    before_entries, before = _train(OPTIMIZERS[name], dtype)
+    if "for-loop" in name:
+        assert min(before_entries) > 0  # the counter does see wrappers when they run
+    for got, want in zip(params, before):
+        assert torch.equal(got, want)
+
+
+class _Raising(torch.optim.SGD):
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        raise RuntimeError("boom")
+
+
+def test_step_that_raises_gets_the_wrappers_back() -> None:
+    model = nn.Linear(4, 4)
+    amp = ampx.Amp("O1", dtype="bf16", verbosity=0)
+    model, opt = amp.initialize(model, _Raising(model.parameters(), lr=0.1))
+    wrapper = torch.Tensor.add_
+    try:
+        loss = model(torch.randn(2, 4)).float().sum()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        with pytest.raises(RuntimeError, match="boom"):
+            opt.step()
+        assert torch.Tensor.add_ is not wrapper  # swapped out while the step was running
+        opt.zero_grad()
+        assert torch.Tensor.add_ is wrapper
+    finally:
+        amp.restore()
+
+
+def test_suspend_after_restore_is_a_no_op() -> None:
+    model = nn.Linear(4, 4)
+    amp = ampx.Amp("O1", dtype="bf16", verbosity=0)
+    amp.initialize(model)
+    original = ampx.o1.patch.active()
+    suspend.suspend()
+    amp.restore()  # the session ends while suspended: nothing may be put back afterwards
+    suspend.resume()
+    assert original is not None and ampx.o1.patch.active() is None
+    assert getattr(torch.Tensor.add_, "__ampx_policy__", None) is None
