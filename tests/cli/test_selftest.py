@@ -9,8 +9,7 @@ import torch
 
 from ampx import _reference
 from ampx.cli import main as cli
-from ampx.cli import selftest
-from ampx.cli import selftest_kernels
+from ampx.cli import selftest, selftest_kernels
 from ampx.frontend import Amp
 
 
