@@ -15,20 +15,12 @@ import torch
 from torch import nn
 
 from ampx import _ext, _reference
+from ampx.overflow import flags as provenance
+from ampx.overflow import forward as forward_check
+from ampx.overflow import policy as overflow_policy
+from ampx.overflow import report as overflow
 from ampx.overflow.flags import GradFlags, classify_nonfinite
 from ampx.overflow.report import OverflowReport, ParamNames, RateLimiter, overflow_message
-from ampx.overflow.report import (
-    flags as provenance,
-)
-from ampx.overflow.report import (
-    forward as forward_check,
-)
-from ampx.overflow.report import (
-    policy as overflow_policy,
-)
-from ampx.overflow.report import (
-    report as overflow,
-)
 
 INF, NAN = math.inf, math.nan
 
