@@ -26,10 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .registry import SESSIONS
+
 __all__ = ["RankZeroFilter", "aggregate_dtensor_norm", "install_log_filter", "is_dtensor",
            "is_multi_rank", "local", "rank", "reduce_found_inf_"]
 
-_LOG_FILTER: RankZeroFilter | None = None
 
 
 class RankZeroFilter(logging.Filter):
@@ -61,17 +62,16 @@ def install_log_filter(level: int = logging.ERROR) -> RankZeroFilter:
     ampx calls this itself as soon as it sees a multi-rank run. Remove it with
     `logging.getLogger("ampx").removeFilter(...)` to get every rank's messages.
     """
-    global _LOG_FILTER
-    if _LOG_FILTER is None:
-        _LOG_FILTER = RankZeroFilter(level)
-        logging.getLogger("ampx").addFilter(_LOG_FILTER)
-    return _LOG_FILTER
+    if SESSIONS.log_filter is None:  # once: a filter the user removed stays removed
+        SESSIONS.log_filter = RankZeroFilter(level)
+        logging.getLogger("ampx").addFilter(SESSIONS.log_filter)
+    return SESSIONS.log_filter
 
 
 def is_multi_rank(group: Any = None) -> bool:
     """True when torch.distributed is initialized with more than one rank in `group`."""
     multi = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-    if multi and _LOG_FILTER is None:
+    if multi and SESSIONS.log_filter is None:
         install_log_filter()
     return multi
 
@@ -80,7 +80,7 @@ def rank() -> int:
     """This process's global rank (0 when not distributed)."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0
-    if _LOG_FILTER is None and dist.get_world_size() > 1:
+    if SESSIONS.log_filter is None and dist.get_world_size() > 1:
         install_log_filter()
     return dist.get_rank()
 

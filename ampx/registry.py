@@ -8,7 +8,9 @@ one object, `SESSIONS`, so every piece of it has a name and a single writer:
 - `forced`: the options `ampx run` forces on every `initialize` (an `ForcedOptions` parsed once at
   the command line; written by `ampx.frontend.set_forced_options`);
 - `telemetry`: the JSON-lines writer for `AMPX_TELEMETRY` and the path it writes to (written by
-  `ampx.telemetry.sink`).
+  `ampx.telemetry.sink`);
+- `log_filter`: the rank-0 logging filter, added to the "ampx" logger once, the first time a
+  multi-rank run is seen (written by `ampx.distributed.install_log_filter`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class SessionRegistry:
     forced: ForcedOptions = dataclasses.field(default_factory=ForcedOptions)
     telemetry: Any = None  # ampx.telemetry.Telemetry | None
     telemetry_path: str | None = None
+    log_filter: Any = None  # ampx.distributed.RankZeroFilter | None
 
 
 SESSIONS = SessionRegistry()

@@ -7,6 +7,7 @@ import types
 
 import pytest
 import torch
+from _shared import NAMESPACE_NAMES, snapshot
 
 import ampx
 from ampx import frontend
@@ -30,10 +31,7 @@ _CACHES = {"__slotnames__"}  # copyreg caches it on the class at the first pickl
 # snapshot so the pristine check below sees only what tests and ampx change.
 import torch._dynamo  # noqa: E402,F401
 
-
-def _namespaces() -> tuple[dict, ...]:
-    return (dict(vars(torch)), dict(vars(torch.Tensor)), dict(vars(torch.nn.functional)),
-            dict(vars(torch._VF)))
+_namespaces = snapshot
 
 
 def _global_torch_state() -> dict[str, object]:
@@ -57,7 +55,7 @@ def _pristine_torch():
     yield
     ampx.restore()
     after = _namespaces()
-    names = ("torch", "torch.Tensor", "torch.nn.functional", "torch._VF")
+    names = NAMESPACE_NAMES
     changed = [
         f"{ns}.{key}"
         for ns, old, new in zip(names, before, after)
@@ -73,12 +71,12 @@ def _pristine_torch():
 @pytest.fixture(autouse=True)
 def _clean_ampx_state():
     """Restore O1 patches, forced options and user registrations after each test."""
-    registry = dict(patch._USER_REGISTRY)
+    registry = dict(patch.PATCHES.user)
     yield
     ampx.restore()
     frontend.set_forced_options(None)
-    patch._USER_REGISTRY.clear()
-    patch._USER_REGISTRY.update(registry)
+    patch.PATCHES.user.clear()
+    patch.PATCHES.user.update(registry)
 
 
 @pytest.fixture

@@ -6,20 +6,12 @@ from typing import Any
 
 import pytest
 import torch
+from _shared import same as _same
+from _shared import snapshot as _snapshot
 from torch import nn
 
 import ampx
 from ampx.o1 import patch
-
-
-def _snapshot() -> list[dict[str, Any]]:
-    return [dict(vars(ns)) for ns in (torch, torch.Tensor, torch.nn.functional, torch._VF,
-                                      torch.nn.RNNBase)]
-
-
-def _same(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> bool:
-    return all(a.keys() == b.keys() and all(a[k] is b[k] for k in a)
-               for a, b in zip(before, after))
 
 
 def _pair() -> tuple[nn.Module, torch.optim.Optimizer]:

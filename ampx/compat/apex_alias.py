@@ -112,7 +112,6 @@ class _ApexAliasLoader(importlib.abc.Loader):
         state_module.__dict__["master_params"] = amp.master_params
         # The import system looks in sys.modules again after importing a parent package, so
         # `import apex.amp` and `import apex.amp._amp_state` find these entries.
-        _CREATED["apex"] = module
         _register("apex.amp", amp)
         _register("apex.amp._amp_state", state_module)
 
@@ -163,7 +162,6 @@ def _register(alias: str, module: types.ModuleType) -> None:
     # The import system reads sys.modules again after exec_module, so the alias name
     # resolves to this object.
     sys.modules[alias] = module
-    _CREATED[alias] = module
 
 
 class _ApexAliasFinder(importlib.abc.MetaPathFinder):
@@ -202,8 +200,6 @@ def _missing_message(fullname: str) -> str:
 _LOADER = _ApexAliasLoader()
 _COMPANION_LOADER = _CompanionLoader()
 _FINDER = _ApexAliasFinder()
-# Every sys.modules entry the alias made, with the module object it put there.
-_CREATED: dict[str, types.ModuleType] = {}
 
 
 def real_apex_spec() -> importlib.machinery.ModuleSpec | None:
@@ -273,7 +269,12 @@ def uninstall() -> None:
     """
     while _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
-    for name, module in sorted(_CREATED.items()):
-        if sys.modules.get(name) is module:
+    for name in sorted(n for n in sys.modules if n == "apex" or n.startswith("apex.")):
+        if _made_by_alias(sys.modules[name]):
             del sys.modules[name]
-    _CREATED.clear()
+
+
+def _made_by_alias(module: types.ModuleType) -> bool:
+    """An `apex...` entry of the alias: its synthetic modules, or ampx's own under apex names."""
+    return bool(getattr(module, "__ampx_alias__", False)) or (
+        getattr(module, "__name__", "").split(".")[0] == "ampx")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .regions import run_region_frames_as_python
+from .registry import PATCHES
 
 __all__ = ["drop_rules_built_during_session", "hold_autograd_cache", "prepare", "reset_compiled"]
 
@@ -30,14 +31,11 @@ _PRE_IMPORTS = (
     "torch._inductor.kernel.bmm",
     "torch._decomp.decompositions_for_jvp",
 )
-_prepared = False
-_RULE_MAP: list[Any] = [None]  # the rule map built before the active session's patches
 
 
 def prepare() -> None:
     """Before a session's patches: import what captures torch functions, keep the rule map."""
-    global _prepared
-    if not _prepared:
+    if not PATCHES.compiler_ready:
         for name in _PRE_IMPORTS:
             try:
                 importlib.import_module(name)
@@ -45,12 +43,12 @@ def prepare() -> None:
                 logger.debug("ampx: could not import %s before patching: %s", name, exc)
         if "torch._dynamo" in sys.modules:
             run_region_frames_as_python()
-        _prepared = True
+        PATCHES.compiler_ready = True
     rules = sys.modules.get("torch._dynamo.trace_rules")
     if rules is not None:
         # dynamo's map of torch functions is cached on first use, and torch clears it at
         # times (init_process_group): build it from the originals before patching.
-        _RULE_MAP[0] = rules.get_torch_obj_rule_map()
+        PATCHES.rule_map = rules.get_torch_obj_rule_map()
 
 
 def reset_compiled() -> None:
@@ -62,7 +60,6 @@ def reset_compiled() -> None:
 
 
 _CACHE_FLAGS = ("enable_autograd_cache", "enable_remote_autograd_cache")
-_SAVED_FLAGS: dict[str, Any] = {}
 
 
 def hold_autograd_cache(hold: bool) -> None:
@@ -75,13 +72,13 @@ def hold_autograd_cache(hold: bool) -> None:
         return
     if hold:
         for flag in _CACHE_FLAGS:
-            if flag not in _SAVED_FLAGS and hasattr(config, flag):
-                _SAVED_FLAGS[flag] = getattr(config, flag)
+            if flag not in PATCHES.cache_flags and hasattr(config, flag):
+                PATCHES.cache_flags[flag] = getattr(config, flag)
                 setattr(config, flag, False)
     else:
-        for flag, value in _SAVED_FLAGS.items():
+        for flag, value in PATCHES.cache_flags.items():
             setattr(config, flag, value)
-        _SAVED_FLAGS.clear()
+        PATCHES.cache_flags.clear()
 
 
 def drop_rules_built_during_session() -> None:
@@ -90,6 +87,6 @@ def drop_rules_built_during_session() -> None:
     # lacks the originals ("does not know how to trace builtin torch.layer_norm"): forget it.
     rules: Any = sys.modules.get("torch._dynamo.trace_rules")
     if rules is not None and rules.get_torch_obj_rule_map.cache_info().currsize:
-        if rules.get_torch_obj_rule_map() is not _RULE_MAP[0]:
+        if rules.get_torch_obj_rule_map() is not PATCHES.rule_map:
             rules.clear_lru_cache()
-    _RULE_MAP[0] = None
+    PATCHES.rule_map = None

@@ -3,9 +3,10 @@
 The torch namespace is the one process-global thing ampx touches. Every replacement goes
 through a `PatchSet`, which remembers whether the attribute was the owner's own or inherited,
 so `restore()` puts back the very same objects (or deletes what was inherited). At most one
-set of O1 patches is active per process (`activate` replaces the previous one cleanly). The
-cast policies live in `policies.py`, the wrapper closures in `wrappers.py`, what a session
-does to torch's compiler in `compile_state.py`.
+set of O1 patches is active per process (`activate` replaces the previous one cleanly); the
+active set and the user registrations are the patch registry's (`registry.py`). The cast
+rules live in `casters.py`, the wrapper closures in `wrappers.py`, what a session does to
+torch's compiler in `compiler.py`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from . import compiler as compile_state
 from .casters import CastConfig, Caster, CastError, casts_disabled, disable_casts
 from .casting import WeightCastCache
 from .lists import CastRule, ListEntry, owner_object, resolve
+from .registry import PATCHES
 from .wrappers import decorator_wrapper, make_wrapper
 
 __all__ = [
@@ -50,7 +52,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def casts_enabled() -> bool:
     """True when O1 patches are active and not disabled in the current context."""
-    return _ACTIVE is not None and not casts_disabled()
+    return PATCHES.active is not None and not casts_disabled()
 
 
 def _raw_attribute(owner: Any, name: str) -> Any:
@@ -174,7 +176,7 @@ class O1Patches:
                 owner = owner_object(entry.owner)
                 self._listed[(id(owner), entry.name)] = entry
                 self._patch(owner, entry.name, entry.policy, f"{entry.owner}.{entry.name}")
-            for owner, name, policy in list(_USER_REGISTRY.values()):
+            for owner, name, policy in list(PATCHES.user.values()):
                 self._patch(owner, name, policy, f"{_owner_label(owner)}.{name}")
         except BaseException:
             self.uninstall()
@@ -223,12 +225,9 @@ def _data_property(session: O1Patches) -> property:
     return property(data_get, data_set, doc=descriptor.__doc__)
 
 
-_ACTIVE: O1Patches | None = None
-# (id(owner), name) -> (owner, name, policy); kept across initialize/restore cycles.
-_USER_REGISTRY: dict[tuple[int, str], tuple[Any, str, CastRule]] = {}
 def active() -> O1Patches | None:
     """The installed O1 patches, or None."""
-    return _ACTIVE
+    return PATCHES.active
 
 
 def activate(config: CastConfig) -> O1Patches:
@@ -237,9 +236,8 @@ def activate(config: CastConfig) -> O1Patches:
     All or nothing: if installing fails, the previous installation (if any) is put back and
     torch's namespaces are as they were before the call.
     """
-    global _ACTIVE
     compile_state.prepare()
-    previous = _ACTIVE
+    previous = PATCHES.active
     deactivate()
     patches = O1Patches(config)
     try:
@@ -248,12 +246,12 @@ def activate(config: CastConfig) -> O1Patches:
         patches.uninstall()  # whatever was applied before the failure
         if previous is not None:
             previous.install(resolve())
-            _ACTIVE = previous
+            PATCHES.active = previous
             compile_state.hold_autograd_cache(True)
         raise
     finally:
         compile_state.reset_compiled()
-    _ACTIVE = patches
+    PATCHES.active = patches
     compile_state.hold_autograd_cache(True)
     logger.debug("ampx: installed %d O1 patches (%s)", len(patches.patches), config.dtype)
     return patches
@@ -261,9 +259,8 @@ def activate(config: CastConfig) -> O1Patches:
 
 def deactivate() -> None:
     """Remove the O1 patches, if any, restoring torch's original objects."""
-    global _ACTIVE
-    if _ACTIVE is not None:
-        patches, _ACTIVE = _ACTIVE, None
+    if PATCHES.active is not None:
+        patches, PATCHES.active = PATCHES.active, None
         try:
             patches.uninstall()
         finally:
@@ -274,8 +271,8 @@ def deactivate() -> None:
 
 def clear_cache() -> None:
     """Forget the cast weights (called when an iteration ends)."""
-    if _ACTIVE is not None:
-        _ACTIVE.cache.clear()
+    if PATCHES.active is not None:
+        PATCHES.active.cache.clear()
 
 
 def _owner_label(owner: Any) -> str:
@@ -306,11 +303,11 @@ class Registration:
         """Undo the registration (idempotent)."""
         owner, name, _ = self._record
         key = (id(owner), name)
-        if _USER_REGISTRY.get(key) is not self._record:
+        if PATCHES.user.get(key) is not self._record:
             return
-        if _ACTIVE is not None:
-            _ACTIVE.unregister(owner, name)
-        del _USER_REGISTRY[key]
+        if PATCHES.active is not None:
+            PATCHES.active.unregister(owner, name)
+        del PATCHES.user[key]
 
 
 def _register(api: str, module: Any, name: str, policy: CastRule) -> Registration:
@@ -333,9 +330,9 @@ def _register(api: str, module: Any, name: str, policy: CastRule) -> Registratio
     finally:
         probe.restore()
     record = (module, name, policy)
-    if _ACTIVE is not None:
-        _ACTIVE.register(module, name, policy)
-    _USER_REGISTRY[(id(module), name)] = record
+    if PATCHES.active is not None:
+        PATCHES.active.register(module, name, policy)
+    PATCHES.user[(id(module), name)] = record
     return Registration(record)
 
 
@@ -371,7 +368,7 @@ def register_promote_function(module: Any, name: str) -> Registration:
 
 
 def _current_caster() -> Caster | None:
-    return None if _ACTIVE is None else _ACTIVE.caster
+    return None if PATCHES.active is None else PATCHES.active.caster
 
 
 def _decorator(policy: CastRule) -> Callable[[F], F]:

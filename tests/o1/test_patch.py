@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _shared import same as _same
+from _shared import snapshot as _snapshot
 from torch import nn
 
 import ampx
@@ -26,16 +28,6 @@ FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 def _o1(dtype: torch.dtype = torch.float16, **kwargs: Any) -> patch.O1Patches:
     return patch.activate(patch.CastConfig(dtype=dtype, device_types=frozenset({"cpu"}),
                                            **kwargs))
-
-
-def _snapshot() -> list[dict[str, Any]]:
-    return [dict(vars(ns)) for ns in (torch, torch.Tensor, torch.nn.functional, torch._VF,
-                                      torch.nn.RNNBase)]
-
-
-def _same(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> bool:
-    return all(a.keys() == b.keys() and all(a[k] is b[k] for k in a)
-               for a, b in zip(before, after))
 
 
 # -- promotion ------------------------------------------------------------------------------
@@ -439,12 +431,12 @@ def test_thousand_initialize_restore_cycles_do_not_leak() -> None:
 # -- registration validation and undo; wrappers after their session ------------------------
 
 def test_register_on_a_builtin_type_is_refused_cleanly() -> None:
-    before = dict(patch._USER_REGISTRY)
+    before = dict(patch.PATCHES.user)
     with pytest.raises(TypeError, match=r"register_half_function: cannot patch int.__add__"):
         ampx.register_half_function(int, "__add__")
     with pytest.raises(TypeError, match="not a function"):
         ampx.register_float_function(torch, "float32")
-    assert patch._USER_REGISTRY == before
+    assert patch.PATCHES.user == before
     ampx.initialize(nn.Linear(2, 2), opt_level="O1", verbosity=0)  # later sessions still work
     assert torch.mm(torch.rand(2, 2), torch.rand(2, 2)).dtype == torch.float16
 

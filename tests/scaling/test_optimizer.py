@@ -6,6 +6,7 @@ import copy
 import os
 import sys
 
+import _shared
 import pytest
 import torch
 from torch import nn
@@ -14,12 +15,11 @@ import ampx
 
 
 def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    return _shared.mlp(bn=True)
 
 
 def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)
+    return _shared.batch(32, seed)
 
 
 def step(model, opt, *, seed=1, overflow=False, set_to_none=True):

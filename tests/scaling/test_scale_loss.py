@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 
+import _shared
 import pytest
 import torch
+from _shared import batch
 from torch import nn
 
 import ampx
@@ -14,16 +16,7 @@ LEVELS = ["O0", "O1", "O2", "O3"]
 
 
 def mlp(bn: bool = True) -> nn.Module:
-    layers: list[nn.Module] = [nn.Linear(8, 16)]
-    if bn:
-        layers.append(nn.BatchNorm1d(16))
-    layers += [nn.ReLU(), nn.Linear(16, 4)]
-    return nn.Sequential(*layers)
-
-
-def batch(n: int = 32, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+    return _shared.mlp(bn)
 
 
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

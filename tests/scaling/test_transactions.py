@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from _shared import batch, mlp
 from torch import nn
 
 import ampx
@@ -34,13 +35,8 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return request.param
 
 
-def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
 def data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    return batch(16, seed)
 
 
 def make(level: str, dtype: torch.dtype, opt_cls: Any = torch.optim.AdamW,

@@ -1,0 +1,35 @@
+"""O1's patch registry: what O1 keeps process-wide, in one object (`PATCHES`).
+
+Beside the session registry (`ampx.registry`), this is the only process-wide state ampx keeps:
+
+- `active`: the installed `O1Patches`, or None (written by `ampx.o1.patch.activate/deactivate`);
+- `user`: the `register_*_function` registrations, kept across sessions;
+- `compiler_ready`, `rule_map`, `cache_flags`: what a session did to torch's compiler
+  (`ampx.o1.compiler`): the pre-imports done, dynamo's rule map built before the patches, and
+  the AOTAutograd cache flags held off during a session.
+
+The `disable_casts()` regions (`ampx.o1.regions`) are per thread and per trace, not
+process-wide: they live in thread-local and context-local objects there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["PATCHES", "PatchRegistry"]
+
+
+@dataclasses.dataclass
+class PatchRegistry:
+    """O1's process-wide state (see the module docstring)."""
+
+    active: Any = None  # ampx.o1.patch.O1Patches | None (that module imports this one)
+    # (id(owner), name) -> (owner, name, rule)
+    user: dict[tuple[int, str], tuple[Any, str, Any]] = dataclasses.field(default_factory=dict)
+    compiler_ready: bool = False
+    rule_map: Any = None
+    cache_flags: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+PATCHES = PatchRegistry()
