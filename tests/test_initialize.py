@@ -94,7 +94,7 @@ def test_failure_late_in_initialize_is_atomic(monkeypatch: pytest.MonkeyPatch) -
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("late failure")
 
-    monkeypatch.setattr("ampx.frontend.LossScaler.to_", broken)
+    monkeypatch.setattr("ampx.scaling.scaler.LossScaler.to_", broken)
     before = _snapshot()
     for level in ("O2", "O3", "O1"):
         with pytest.raises(RuntimeError, match="late failure"):

@@ -445,7 +445,7 @@ def test_failed_initialize_leaves_no_private_names(monkeypatch: pytest.MonkeyPat
         raise RuntimeError("late failure")
 
     with monkeypatch.context() as patched:
-        patched.setattr("ampx.frontend.LossScaler.to_", broken)
+        patched.setattr("ampx.scaling.scaler.LossScaler.to_", broken)
         with pytest.raises(RuntimeError, match="late failure"):
             amp.initialize(model, opt, opt_level="O2", verbosity=0)
     assert not any(name in vars(opt) for name in (*PRIVATE_NAMES, "_ampx"))
