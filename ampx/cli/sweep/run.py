@@ -24,7 +24,7 @@ from .stats import LoadMeter, Row, summarize
 __all__ = ["RunInterrupted", "SweepConfig", "SweepSpec", "build_configs", "child_env",
            "command_for", "run_one"]
 
-_AMPX_ROOT = Path(__file__).resolve().parent.parent  # the directory that holds `ampx/`
+_AMPX_ROOT = Path(__file__).resolve().parents[3]  # the directory that holds `ampx/`
 _POLL_S = 0.2
 
 StepCallback = Callable[["SweepConfig", int, Optional[int], Optional[float]], None]
