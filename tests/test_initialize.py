@@ -305,7 +305,7 @@ def test_failure_at_each_stage_of_initialize_changes_nothing(
     monkeypatch.undo()
     assert _equal(_state_of_everything(models, opts), before)
     assert _same(namespaces, _snapshot()) and patch.active() is patches
-    assert ampx.frontend.default_session() is session and earlier[1]._ampx.session is session
+    assert ampx.frontend.default_session() is session and earlier[1]._ampx.owner is session
     assert ampx.amp._amp_state.loss_scalers == scalers
     # and a clean initialize of the same objects works afterwards
     ampx.initialize(models, opts, opt_level=level, dtype=half_dtype, verbosity=0)

@@ -4,7 +4,7 @@ A `Caster` turns a `CastConfig` into converters (one per policy and function nam
 builds: the eager one (weights through the cast cache, C-level device tests) and the compile
 one (plain `.to(dtype)` and `t.device.type`, which dynamo traces into the graph; nothing that
 touches storage, so fake and functional tensors are safe). `wrappers.py` puts them in closures.
-`disable_casts` lives in `cast_regions.py` (re-exported here).
+`disable_casts` lives in `regions.py` (re-exported here).
 """
 
 from __future__ import annotations

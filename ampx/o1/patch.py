@@ -17,7 +17,7 @@ from typing import Any, Callable, TypeVar
 import torch
 import wrapt
 
-from . import compiler as compile_state
+from . import compiler
 from .casters import CastConfig, Caster, CastError, casts_disabled, disable_casts
 from .casting import WeightCastCache
 from .lists import CastRule, ListEntry, owner_object, resolve
@@ -236,7 +236,7 @@ def activate(config: CastConfig) -> O1Patches:
     All or nothing: if installing fails, the previous installation (if any) is put back and
     torch's namespaces are as they were before the call.
     """
-    compile_state.prepare()
+    compiler.prepare()
     previous = PATCHES.active
     deactivate()
     patches = O1Patches(config)
@@ -247,12 +247,12 @@ def activate(config: CastConfig) -> O1Patches:
         if previous is not None:
             previous.install(resolve())
             PATCHES.active = previous
-            compile_state.hold_autograd_cache(True)
+            compiler.hold_autograd_cache(True)
         raise
     finally:
-        compile_state.reset_compiled()
+        compiler.reset_compiled()
     PATCHES.active = patches
-    compile_state.hold_autograd_cache(True)
+    compiler.hold_autograd_cache(True)
     logger.debug("ampx: installed %d O1 patches (%s)", len(patches.patches), config.dtype)
     return patches
 
@@ -264,9 +264,9 @@ def deactivate() -> None:
         try:
             patches.uninstall()
         finally:
-            compile_state.drop_rules_built_during_session()
-            compile_state.hold_autograd_cache(False)
-            compile_state.reset_compiled()
+            compiler.drop_rules_built_during_session()
+            compiler.hold_autograd_cache(False)
+            compiler.reset_compiled()
 
 
 def clear_cache() -> None:

@@ -54,7 +54,7 @@ def last_overflow(optimizer: Any) -> OverflowReport | None:
     if state is None:
         raise TypeError("last_overflow() needs an optimizer passed through ampx.initialize(); "
                         f"got {type(optimizer).__module__}.{type(optimizer).__name__}")
-    owner = getattr(state, "owner", None) or getattr(state, "session", None)
+    owner = getattr(state, "owner", None)
     watch = getattr(owner, "overflow_watch", None)
     return watch.last(optimizer) if watch is not None else None
 
