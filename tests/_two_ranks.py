@@ -18,12 +18,14 @@ import pytest
 
 WORLD = 2
 REPO = pathlib.Path(__file__).resolve().parents[1]
+TESTS = pathlib.Path(__file__).resolve().parent  # workers in tests/<area>/ import this module
 
 
 def launch(script: str, out: pathlib.Path, timeout: float = 240) -> Any:
     """Run `script` as WORLD ranks; returns what rank 0 wrote (fails the test otherwise)."""
     env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS),
+                                           os.environ.get("PYTHONPATH", "")]))
     if sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     procs = [subprocess.Popen([sys.executable, script, str(rank), str(out / "store"), str(out)],

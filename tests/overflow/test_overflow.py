@@ -227,9 +227,7 @@ def test_clean_steps_read_nothing_from_the_device(syncs: SyncCounter) -> None:
         params = list(model.parameters())
         flags = tracker.flags_for(0, params, torch.device("cpu"))
         _ext.unscale_([p.grad for p in params], torch.tensor([0.5]), torch.zeros(1), flags)
-        assert tracker.pending
-        tracker.clear()
-    assert syncs.calls == [] and not tracker.pending
+    assert syncs.calls == []
 
 
 def test_a_skipped_step_reads_the_flags_once_and_classifies_once(syncs: SyncCounter) -> None:
@@ -242,16 +240,6 @@ def test_a_skipped_step_reads_the_flags_once_and_classifies_once(syncs: SyncCoun
         _ext.unscale_([p.grad for p in chunk], torch.tensor([0.5]), torch.zeros(1), flags)
     tracker.report(step=0, loss_ids=[0], scales={})
     assert syncs.calls == ["tolist", "tolist"]
-
-
-def test_discard_last_forgets_a_failed_transition() -> None:
-    model = Net()
-    tracker = GradFlags(ParamNames.from_models([model]))
-    tracker.flags_for(0, list(model.parameters()), torch.device("cpu")).fill_(1.0)
-    tracker.discard_last(1)
-    tracker.discard_last(0)
-    assert not tracker.pending
-    assert tracker.report(step=0, loss_ids=[0], scales={}).params == ()
 
 
 # -- the report and the log line -------------------------------------------------------------------
