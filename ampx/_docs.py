@@ -160,7 +160,13 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stdout.write(_module_map.module_map_markdown())
         return 0
-    sys.stderr.write("usage: python -m ampx._docs {opt-levels,cast-lists,module-map}\n")
+    usage = ("usage: python -m ampx._docs {opt-levels,cast-lists,module-map}\n\n"
+             "Print a page generated from the code: docs/opt-levels.md, docs/cast-lists.md, or\n"
+             "the module map of docs/internals.md (`ampx lists` is the interactive view).\n")
+    if args in (["--help"], ["-h"]):
+        sys.stdout.write(usage)
+        return 0
+    sys.stderr.write(usage)
     return 2
 
 

@@ -98,13 +98,15 @@ def test_help_imports_no_torch(tmp_path: Path) -> None:
     assert " torch" not in proc.stderr  # -X importtime lists every module imported
 
 
-def test_python_dash_m_ampx_lists_help_is_help(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "ampx.o1.lists", "--help"], cwd=tmp_path,
+def test_python_dash_m_ampx_docs_help_is_help(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "ampx._docs", "--help"], cwd=tmp_path,
                           env=_env(), capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: python -m ampx.o1.lists")
-    assert "--opt-levels" in proc.stdout
-    assert "# O1 cast lists" not in proc.stdout
+    assert proc.stdout.startswith("usage: python -m ampx._docs")
+    assert "cast-lists" in proc.stdout and "# O1 cast lists" not in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "ampx._docs", "nothing"], cwd=tmp_path,
+                         env=_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and bad.stderr.startswith("usage: python -m ampx._docs")
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

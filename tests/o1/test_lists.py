@@ -370,4 +370,5 @@ def test_committed_cast_lists_doc_matches_generated() -> None:
     version = torch.__version__.split("+")[0]
     if f"on torch {version})" not in text:
         pytest.skip(f"docs/cast-lists.md was generated on another torch than {version}")
-    assert text == lists.markdown(), "regenerate: python -m ampx.o1.lists > docs/cast-lists.md"
+    regenerate = "regenerate: python -m ampx._docs cast-lists > docs/cast-lists.md"
+    assert text == lists.markdown(), regenerate
