@@ -102,7 +102,7 @@ def test_failure_late_in_initialize_is_atomic(monkeypatch: pytest.MonkeyPatch) -
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("late failure")
 
-    monkeypatch.setattr("ampx.frontend.LossScaler.to_", broken)
+    monkeypatch.setattr("ampx.scaling.scaler.LossScaler.to_", broken)
     before = _snapshot()
     for level in ("O2", "O3", "O1"):
         with pytest.raises(RuntimeError, match="late failure"):
@@ -313,7 +313,7 @@ def test_failure_at_each_stage_of_initialize_changes_nothing(
     monkeypatch.undo()
     assert _equal(_state_of_everything(models, opts), before)
     assert _same(namespaces, _snapshot()) and patch.active() is patches
-    assert ampx.frontend.default_session() is session and earlier[1]._ampx.session is session
+    assert ampx.frontend.default_session() is session and earlier[1]._ampx.owner is session
     assert ampx.amp._amp_state.loss_scalers == scalers
     # and a clean initialize of the same objects works afterwards
     ampx.initialize(models, opts, opt_level=level, dtype=half_dtype, verbosity=0)
