@@ -222,6 +222,7 @@ class OptimizerAmpState:
         cache = self.cache(optimizer)
         error = _copy_masters(cache) if cache.pairs and not decision.skip else None
         self._commit_step(cache, decision)
+        self.policy.on_step(optimizer, self)  # the step's end, late (telemetry, detector)
         if error is not None:
             raise error
 

@@ -42,9 +42,12 @@ class ScaledPass:
         self.scaler = scaler
         self.sync = sync
         self._begun = Journal()  # begin's changes: non-empty once any optimizer moved
+        self._began_here = False  # False: the optimizers were moved to SCALING elsewhere
+        # (apex's _prepare_amp_backward), and `abort` acts on all of them
 
     def begin(self) -> None:
         """Every optimizer to SCALING, or none (a failure rolls back the ones already moved)."""
+        self._began_here = True
         with self._begun.atomic():
             for opt, state in self.pairs:
                 state.begin_backward(opt, self._begun)
@@ -53,9 +56,10 @@ class ScaledPass:
         """Every optimizer this pass moved back to where it was before `begin` (idempotent).
 
         After `end` committed (stage UNSCALED or SCALED) there is nothing to abort: each
-        optimizer's `abort_backward` acts in SCALING only.
+        optimizer's `abort_backward` acts in SCALING only. A pass whose `begin` ran elsewhere
+        (apex's `_prepare_amp_backward`) aborts every optimizer it holds.
         """
-        if not len(self._begun):
+        if self._began_here and not len(self._begun):
             return
         for opt, state in reversed(self.pairs):
             state.abort_backward(opt)
@@ -79,6 +83,7 @@ class ScaledPass:
             self.abort()
             raise
         self._begun.forget()  # committed: nothing left to abort
+        self._began_here = True
 
     def _end(self, loss: torch.Tensor, loss_id: int, delay_unscale: bool, check: bool) -> None:
         journal = Journal()

@@ -252,7 +252,7 @@ def test_prepare_and_post_match_scale_loss_bitwise(level: str, half_dtype: torch
         opt.zero_grad()
     assert _bitwise(list(amp.master_params(opt)), list(amp.master_params(ref_opt)))
     assert _bitwise(list(model.parameters()), list(ref_model.parameters()))
-    ref_scale = ref_opt._ampx.session.scalers[0].loss_scale()
+    ref_scale = ref_opt._ampx.owner.scalers[0].loss_scale()
     assert amp._amp_state.loss_scalers[0].loss_scale() == ref_scale
 
 
@@ -445,7 +445,7 @@ def test_failed_initialize_leaves_no_private_names(monkeypatch: pytest.MonkeyPat
         raise RuntimeError("late failure")
 
     with monkeypatch.context() as patched:
-        patched.setattr("ampx.frontend.LossScaler.to_", broken)
+        patched.setattr("ampx.scaling.scaler.LossScaler.to_", broken)
         with pytest.raises(RuntimeError, match="late failure"):
             amp.initialize(model, opt, opt_level="O2", verbosity=0)
     assert not any(name in vars(opt) for name in (*PRIVATE_NAMES, "_ampx"))
