@@ -123,6 +123,8 @@ def initialize(
         SESSIONS.scalers[:] = amp.scalers
     amp.scalers = SESSIONS.scalers
     previous, SESSIONS.default = SESSIONS.default, amp
+    if previous is not None and any(m is n for m in previous.models for n in amp.models):
+        previous.remove_detector()  # the same model watched twice would double its hooks
     if previous is not None and not amp.properties.patch_torch_functions and previous.owns_patches:
         # A new default session replaces the old one cleanly: its O1 casts must not leak
         # into a model initialized at another level (an O2 bf16 model under O1 fp16 casts).
@@ -204,9 +206,12 @@ def step_was_skipped(optimizer: torch.optim.Optimizer) -> bool:
 def restore() -> None:
     """Undo O1's patching: torch, torch.Tensor and torch.nn.functional get their original objects.
 
-    Models and optimizers keep their casts and hooks; the default session is forgotten (the
+    Models and optimizers keep their casts and hooks, except the forward overflow detector's
+    (``detect_overflow="forward"``), which come off; the default session is forgotten (the
     optimizers it returned keep using the shared loss scalers until the next `initialize`).
     """
+    if SESSIONS.default is not None:
+        SESSIONS.default.remove_detector()
     patch.deactivate()
     apex_stash.detach_all()
     SESSIONS.default = None

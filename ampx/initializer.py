@@ -2,9 +2,9 @@
 
 `check_inputs` refuses bad models and optimizers before anything is touched. `prepare` casts
 the models, recasts optimizer state, attaches the optimizers, moves the scalers and installs
-O1's patches; every change is recorded in an undo log first, and on any exception (including
-KeyboardInterrupt) the log is played back, so models, optimizers (state, step hooks,
-attributes) and torch are exactly as they were handed in.
+O1's patches; every change is recorded in a `Journal` (the one rollback idiom), and on any
+exception (including KeyboardInterrupt) the journal is rolled back, so models, optimizers
+(state, step hooks, attributes) and torch are exactly as they were handed in.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .model import ModelCast, cast_model, check_models, device_types_of
 from .o1 import patch
 from .options.levels import OptionError
 from .scaling import apex_stash
+from .scaling.journal import Journal
 from .scaling.masters import MasterMap, optimizer_params, recast_state
 from .scaling.protocol import SessionHooks
 from .scaling.stepping import attach, check_optimizers
@@ -114,22 +115,24 @@ def prepare(session: Any, inputs: Inputs, policy: SessionHooks) -> Prepared:
         BaseException: Whatever a step raised, after every change was undone.
     """
     props = session.properties
-    undo: list[Callable[[], None]] = []
+    journal = Journal()
     casts: list[ModelCast] = []
-    try:
+    with journal.atomic():
         masters = MasterMap()
         split: set[int] = set()
         if props.master_weights and props.cast_model_type not in (None, torch.float32):
             split = {id(p) for opt in inputs.optimizers for p in optimizer_params(opt)
                      if p.is_floating_point()}
         for model in inputs.models:
+            # cast_model undoes itself when it raises; once it returned, its record's undo
+            # (hooks, swapped parameters, cast buffers) joins this journal
             casts.append(cast_model(
                 model, props.cast_model_type, keep_batchnorm_fp32=props.keep_batchnorm_fp32,
                 split_params=split, cast_outputs=props.cast_model_outputs, masters=masters,
             ))
-            undo.append(casts[-1].undo)
+            journal.record(casts[-1].undo)
         for opt in inputs.optimizers:
-            undo.append(_optimizer_undo(opt))
+            journal.record(_optimizer_undo(opt))  # a snapshot: safe before any change
             if props.cast_model_type is not None:
                 recast_state(opt)
             attach(opt, session, masters, policy)
@@ -144,10 +147,8 @@ def prepare(session: Any, inputs: Inputs, policy: SessionHooks) -> Prepared:
                 device_types=props.device_types or device_types_of(inputs.models),
                 allow_banned=props.allow_banned, verbose=props.verbosity == 2,
             ))
-    except BaseException:
-        while undo:
-            undo.pop()()
-        raise
+    for cast in casts:  # committed: the undo steps would keep the pre-cast weights alive
+        cast.journal.forget()
     return Prepared(casts, o1)
 
 

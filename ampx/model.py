@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +20,7 @@ from torch import nn
 
 from .o1.casting import cast_tree
 from .options.values import HALF_DTYPES
+from .scaling.journal import Journal
 from .scaling.masters import MasterMap
 
 __all__ = ["ModelCast", "cast_model", "check_models", "device_types_of"]
@@ -171,12 +171,12 @@ class LoadIntoMasters(_MastersRef):
 
 @dataclass
 class ModelCast:
-    """What `cast_model` did to one model (hook handles, the master map, an undo log)."""
+    """What `cast_model` did to one model (hook handles, the master map, its undo journal)."""
 
     model: nn.Module
     masters: MasterMap = field(default_factory=MasterMap)
     handles: list[Any] = field(default_factory=list)
-    undo_log: list[Callable[[], None]] = field(default_factory=list)
+    journal: Journal = field(default_factory=Journal)
 
     def remove_hooks(self) -> None:
         """Remove the input/output/state-dict hooks (the casts themselves stay)."""
@@ -190,10 +190,8 @@ class ModelCast:
         Used when `initialize` fails after the model was cast, so the user's model is
         exactly as it was handed in (the same Parameter objects holding the same data).
         """
-        self.remove_hooks()
         with torch.no_grad():
-            while self.undo_log:
-                self.undo_log.pop()()
+            self.journal.rollback()  # newest first; the hooks come off last
 
 
 def _is_kept_batchnorm(module: nn.Module, keep_batchnorm_fp32: bool | None) -> bool:
@@ -230,6 +228,7 @@ def cast_model(
     """
     record = ModelCast(model, MasterMap() if masters is None else masters)
     try:
+        record.journal.record(record.remove_hooks)  # undone last: the hooks come off
         if dtype is not None:
             _cast_weights(model, dtype, keep_batchnorm_fp32, split_params, record)
             record.handles.append(
@@ -250,7 +249,7 @@ def cast_model(
 
 def _cast_weights(model: nn.Module, dtype: torch.dtype, keep_bn: bool | None,
                   split_params: set[int], record: ModelCast) -> None:
-    undo = record.undo_log
+    undo = record.journal.record
     replaced: dict[int, nn.Parameter] = {}  # keeps tied weights tied
     done: set[int] = set()
     with torch.no_grad():
@@ -259,18 +258,18 @@ def _cast_weights(model: nn.Module, dtype: torch.dtype, keep_bn: bool | None,
             kept = _is_kept_batchnorm(module, keep_bn)
             target = torch.float32 if kept else dtype
             if isinstance(module, nn.RNNBase):  # undone last: after the params are back
-                undo.append(module._init_flat_weights)
+                undo(module._init_flat_weights)
             for name, param in list(module._parameters.items()):
                 if param is None or not param.is_floating_point():
                     continue
                 if id(param) in replaced:
-                    undo.append(functools.partial(setattr, module, name, param))
+                    undo(functools.partial(setattr, module, name, param))
                     setattr(module, name, replaced[id(param)])
                 elif id(param) in split_params and not kept:
                     replaced[id(param)] = _split(module, name, param, dtype, record)
                 elif id(param) not in done and param.dtype != target and (
                         not kept or param.dtype in HALF_DTYPES):
-                    undo.append(functools.partial(_set_data, param, param.data, param.grad))
+                    undo(functools.partial(_set_data, param, param.data, param.grad))
                     param.data = param.data.to(target)
                     if param.grad is not None:
                         param.grad = param.grad.to(target)
@@ -278,8 +277,7 @@ def _cast_weights(model: nn.Module, dtype: torch.dtype, keep_bn: bool | None,
             for name, buf in list(module._buffers.items()):
                 if (buf is not None and buf.is_floating_point() and buf.dtype != target
                         and (not kept or buf.dtype in HALF_DTYPES)):
-                    undo.append(functools.partial(module._buffers.__setitem__, name, buf))
-                    module._buffers[name] = buf.to(target)
+                    record.journal.setitem(module._buffers, name, buf.to(target))
             if isinstance(module, nn.RNNBase):
                 module._init_flat_weights()
 
@@ -293,14 +291,14 @@ def _split(module: nn.Module, name: str, param: nn.Parameter, dtype: torch.dtype
     """
     half = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
     if param.dtype in HALF_DTYPES:
-        record.undo_log.append(functools.partial(_set_data, param, param.data, param.grad))
+        record.journal.record(functools.partial(_set_data, param, param.data, param.grad))
         grad = param.grad
         param.grad = None
         param.data = param.data.float()
         param.grad = None if grad is None else grad.float()
+    record.journal.record(functools.partial(record.masters.discard, half))
     record.masters.add(half, param)
-    record.undo_log.append(functools.partial(record.masters.discard, half))
-    record.undo_log.append(functools.partial(setattr, module, name, param))
+    record.journal.record(functools.partial(setattr, module, name, param))
     setattr(module, name, half)
     return half
 

@@ -21,7 +21,7 @@ from . import distributed, initializer, telemetry
 from .model import ModelCast
 from .o1 import patch
 from .options.levels import Properties, brief, resolve_properties
-from .options.values import HALF_DTYPES, dtype_name
+from .options.values import HALF_DTYPES, dtype_name, parse_bool
 from .overflow.report import OverflowReport
 from .overflow.watch import OverflowWatch
 from .registry import SESSIONS
@@ -76,7 +76,9 @@ class Amp:
         forced = SESSIONS.forced
         self.forced: dict[str, Any] = forced.jsonable()  # for messages and telemetry
         self.properties: Properties = resolve_properties(**forced.apply(self.requested))
-        self.sync_overflow = sync_overflow
+        # a bool (or apex's "True"/"False" strings): "no" must not read as True
+        sync = parse_bool("sync_overflow", sync_overflow)
+        self.sync_overflow = True if sync is None else sync
         self.process_group = process_group
         props = self.properties
         self.scalers: list[LossScaler] = [
@@ -246,16 +248,17 @@ class Amp:
             return
 
         scaled = ScaledPass(opts, states, self.scalers[loss_id], self.synchronize_found_inf)
-        scaled.begin()
+        # One guard from begin to end: an interrupt right after `begin` returns, or at
+        # `end`'s entry, must not leave the optimizers in SCALING (abort is idempotent, and
+        # a no-op once `end` committed).
         try:
+            scaled.begin()
             yield self.scalers[loss_id].scale_loss_value(loss)
-        except BaseException:
-            scaled.abort()
-            patch.clear_cache()
-            raise
-        try:
             scaled.end(loss.detach(), loss_id=loss_id, delay_unscale=delay_unscale,
                        check=not delay_overflow_check)
+        except BaseException:
+            scaled.abort()
+            raise
         finally:
             patch.clear_cache()
 
@@ -374,10 +377,20 @@ class Amp:
         return self._o1 is not None and patch.active() is self._o1
 
     def restore(self) -> None:
-        """Remove this session's O1 patches (if it still owns them)."""
+        """Remove this session's O1 patches (if it still owns them) and its forward detector.
+
+        The detector's hooks (``detect_overflow="forward"``) come off the models; model casts,
+        fp32 fallbacks and the optimizers' state stay.
+        """
         if self._o1 is not None and patch.active() is self._o1:
             patch.deactivate()
         self._o1 = None
+        self.remove_detector()
+
+    def remove_detector(self) -> None:
+        """Take the forward overflow detector's hooks off this session's models (if any)."""
+        if self.overflow_watch is not None:
+            self.overflow_watch.remove_detector()
 
 
 def _short_circuit(loss: torch.Tensor, states: list[OptimizerAmpState]) -> Iterator[torch.Tensor]:

@@ -13,6 +13,7 @@ The modules in fp32 are part of :meth:`OverflowPolicy.state_dict`, so a resume k
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from ..o1 import patch
 from ..o1.casting import cast_tree
 from ..options.values import HALF_DTYPES
 from ..options.values import ON_OVERFLOW_CHOICES as ON_OVERFLOW
+from ..scaling.journal import Journal
 from .report import ROOT_MODULE, OverflowReport
 
 __all__ = ["ON_OVERFLOW", "Fp32Fallback", "OverflowPersistsError", "OverflowPolicy",
@@ -187,28 +189,30 @@ class Fp32Fallback:
         self.module = module
         self.disable_casts = disable_casts
         self.cast_back = cast_back
-        self._calls: list[tuple[torch.dtype | None, Any]] = []
-        self._handles = [
-            module.register_forward_pre_hook(self._pre, with_kwargs=True),
-            module.register_forward_hook(self._post, always_call=True),
-        ]
+        # one (incoming dtype, journal) per forward in flight: the journal re-enables casts
+        self._calls: list[tuple[torch.dtype | None, Journal]] = []
+        self._handles: list[Any] = []
+        with Journal().atomic() as journal:
+            journal.record(self._remove_handles)
+            self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post, always_call=True))
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         incoming = _first_float_dtype((args, kwargs))
-        casts_off = None
+        journal = Journal()
         if self.disable_casts:
             casts_off = patch.disable_casts()
             casts_off.__enter__()
-        self._calls.append((incoming, casts_off))
+            journal.record(functools.partial(casts_off.__exit__, None, None, None))
+        self._calls.append((incoming, journal))
         return (cast_tree(args, torch.float32, _is_half),
                 cast_tree(kwargs, torch.float32, _is_half))
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if not self._calls:
             return None
-        incoming, casts_off = self._calls.pop()
-        if casts_off is not None:
-            casts_off.__exit__(None, None, None)
+        incoming, journal = self._calls.pop()
+        journal.rollback()
         if self.cast_back and incoming in HALF_DTYPES and output is not None:
             return cast_tree(output, incoming, _always)
         return None
@@ -219,37 +223,42 @@ class Fp32Fallback:
         torch runs ``always_call`` hooks on ``Exception`` only; the step boundary calls this.
         """
         while self._calls:
-            _, casts_off = self._calls.pop()
-            if casts_off is not None:
-                casts_off.__exit__(None, None, None)
+            self._calls.pop()[1].rollback()
 
-    def remove(self) -> None:
-        """Remove the hooks."""
-        self.unwind()
+    def _remove_handles(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
+    def remove(self) -> None:
+        """Remove the hooks."""
+        self.unwind()
+        self._remove_handles()
 
-def fp32_params_o2(module: nn.Module, master_of: Any) -> list[tuple[nn.Parameter, nn.Parameter]]:
+
+def fp32_params_o2(module: nn.Module, master_of: Any, journal: Journal | None = None
+                   ) -> list[tuple[nn.Parameter, nn.Parameter]]:
     """O2: give `module`'s split parameters their fp32 masters as model weights.
 
     Each half parameter that has a master (``master_of(param)``) is replaced in its module
     by the master itself, so forward, backward and the optimizer all use the one fp32
     tensor; half floating buffers become float32. The caller releases the returned
-    ``(half param, master)`` pairs from its master map (they are no longer split).
+    ``(half param, master)`` pairs from its master map (they are no longer split). Every
+    swap is recorded in `journal` (the caller's transaction) when one is given.
     """
+    journal = Journal() if journal is None else journal
     swapped: list[tuple[nn.Parameter, nn.Parameter]] = []
     with torch.no_grad():
         for sub in module.modules():
             for name, param in list(sub._parameters.items()):
                 master = master_of(param) if param is not None else None
                 if param is not None and master is not None:
+                    journal.record(functools.partial(setattr, sub, name, param))
                     setattr(sub, name, master)
                     swapped.append((param, master))
             for name, buf in list(sub._buffers.items()):
                 if buf is not None and buf.dtype in HALF_DTYPES:
-                    sub._buffers[name] = buf.float()
+                    journal.setitem(sub._buffers, name, buf.float())
     return swapped
 
 

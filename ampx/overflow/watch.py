@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..options.values import parse_detect_overflow
+from ..scaling.journal import Journal
 from .flags import GradFlags
 from .forward import ForwardDetector
 from .policy import Fp32Fallback, OverflowPolicy, find_module, fp32_params_o2
@@ -169,7 +170,14 @@ class OverflowWatch:
         self._last[optimizer] = report
         self._skipped = report
         at_minimum = any(scalers[i].at_minimum() for i in scales)
-        module = self.policy.observe_skip(report, at_minimum)
+        try:
+            module = self.policy.observe_skip(report, at_minimum)
+        except BaseException:
+            # The raise ends the step (its telemetry and step_done never run): forget this
+            # step's forward records now, or the next skip would name this step's module.
+            self._skipped = None
+            self.after_step()
+            raise
         if module is not None:
             self.apply_fallback(module)
         return report
@@ -212,12 +220,15 @@ class OverflowWatch:
             return
         module = find_module(self.models, name)
         pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-        if not self.casts_patched:
-            pairs = fp32_params_o2(module, lambda p: self._master_of.get(id(p)))
-            if pairs and self._release is not None:
+        with Journal().atomic() as journal:  # all of the fallback, or none of it
+            if not self.casts_patched:
+                pairs = fp32_params_o2(module, lambda p: self._master_of.get(id(p)), journal)
+            fallback = Fp32Fallback(module, disable_casts=self.casts_patched,
+                                    cast_back=not self.casts_patched)
+            journal.record(fallback.remove)
+            journal.setitem(self.fallbacks, name, fallback)
+            if pairs and self._release is not None:  # last: releasing is not undoable
                 self._release(pairs)
-        self.fallbacks[name] = Fp32Fallback(module, disable_casts=self.casts_patched,
-                                            cast_back=not self.casts_patched)
         if name not in self.policy.fallback:
             self.policy.fallback.append(name)
         logger.warning(
@@ -268,6 +279,12 @@ class OverflowWatch:
         self.policy.load_checked(checked)
         for name in checked["fp32_modules"]:
             self.apply_fallback(name)  # idempotent
+
+    def remove_detector(self) -> None:
+        """Take the forward detector's hooks off the models (``restore``; a new session)."""
+        if self.detector is not None:
+            self.detector.remove()
+            self.detector = None
 
     def remove(self) -> None:
         """Take the detector's and the fallbacks' hooks away (the session ends)."""

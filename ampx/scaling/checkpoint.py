@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -29,6 +30,7 @@ STATE_VERSION = 1
 POLICY_FIELDS = ("hysteresis", "growth_factor", "backoff_factor", "growth_interval",
                  "min_loss_scale", "max_loss_scale")
 _INT32_MAX = 2**31 - 1
+_SCALER_KEY = re.compile(r"loss_scaler([0-9]+)")
 _F32_MAX = float(torch.finfo(torch.float32).max)
 _F32_TINY = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23  # least subnormal
 
@@ -166,9 +168,10 @@ def new_state(scaler: ScalerLike, checked: Mapping[str, Any]) -> dict[str, torch
 
 def scaler_index(key: Any) -> int | None:
     """N of a `loss_scalerN` key, or None for any other key."""
-    if isinstance(key, str) and key.startswith("loss_scaler") and key[11:].isdigit():
-        return int(key[11:])
-    return None
+    # ASCII digits only: str.isdigit() takes "١" (Arabic-Indic) or "²", which int() reads as
+    # 1 or refuses with a bare ValueError
+    match = _SCALER_KEY.fullmatch(key) if isinstance(key, str) else None
+    return int(match.group(1)) if match is not None else None
 
 
 def _indices(state_dict: Mapping[str, Any]) -> dict[int, str]:

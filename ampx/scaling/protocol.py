@@ -35,6 +35,7 @@ flag agreement, overflow reporting, telemetry) arrives as a `SessionHooks` at `a
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -102,6 +103,13 @@ class StepDecision:
 
     skip: bool = False
     flag: torch.Tensor | None = None  # fused path: the device flag handed to the optimizer
+    # (a stepped parameter, its version before the step): a changed version means the
+    # optimizer's update ran, even if the step was interrupted before the post hook
+    mark: tuple[torch.Tensor, int] | None = None
+
+    def updated(self) -> bool:
+        """Whether the optimizer changed its parameters since the decision (no sync)."""
+        return self.mark is not None and self.mark[0]._version != self.mark[1]
 
 
 @dataclass(eq=False)
@@ -199,9 +207,32 @@ class OptimizerAmpState:
             handle.remove()
         self.handles.clear()
 
+    def _heal(self, optimizer: torch.optim.Optimizer) -> None:
+        """Complete a step whose update ran but whose post hook did not (rolls forward).
+
+        A KeyboardInterrupt inside the optimizer's update, or after it before ampx's post
+        hook, leaves `_decision` set, the half model behind its masters and the step
+        uncommitted. The next entry (`zero_grad`, `scale_loss`, `step`) finishes it: the
+        master -> model copy and the commit, as `after_step` would have. A step that raised
+        before changing any parameter stays pending (`step()` again retries it).
+        """
+        decision = self._decision
+        if decision is None or not decision.updated():
+            return
+        cache = self.cache(optimizer)
+        error = _copy_masters(cache) if cache.pairs and not decision.skip else None
+        self._commit_step(cache, decision)
+        self.policy.on_step(optimizer, self)  # the step's end, late (telemetry, detector)
+        if error is not None:
+            raise error
+
     # -- transitions around backward ---------------------------------------------------------
-    def begin_backward(self, optimizer: torch.optim.Optimizer) -> None:
+    def begin_backward(self, optimizer: torch.optim.Optimizer,
+                       journal: Journal | None = None) -> None:
         """READY/UNSCALED/SCALED -> SCALING: move earlier gradients aside for this pass.
+
+        With `journal` (a `ScaledPass` beginning over several optimizers) the changes are
+        recorded there and the caller rolls back; else this call is its own transaction.
 
         Parameters the optimizer steps have their gradient stashed (added back to this pass's
         unscaled gradient at the end). The half model parameters behind masters have theirs
@@ -216,8 +247,10 @@ class OptimizerAmpState:
                 "ampx.scale_loss: this optimizer is already inside a scale_loss block; nest "
                 "no scale_loss blocks over the same optimizer (finish the first one)."
             )
+        self._heal(optimizer)
         cache = self.cache(optimizer)
-        journal = Journal()
+        own = journal is None
+        journal = Journal() if journal is None else journal
         try:
             if self.stage is Stage.SCALED:
                 marks = {id(p): grad_mark(p) for p in cache.models + cache.others}
@@ -232,7 +265,8 @@ class OptimizerAmpState:
                     journal.set(param, "grad", None)
             journal.set(self, "stage", Stage.SCALING)
         except BaseException:
-            journal.rollback()
+            if own:
+                journal.rollback()
             raise
 
     def abort_backward(self, optimizer: torch.optim.Optimizer) -> None:
@@ -316,6 +350,7 @@ class OptimizerAmpState:
         """
         if self.stage is Stage.SCALING:
             return
+        self._heal(optimizer)
         cache = self.cache(optimizer)
         journal = Journal()
         try:
@@ -353,14 +388,17 @@ class OptimizerAmpState:
                 "(ampx: step(closure) cannot be combined with loss scaling; run the closure's "
                 "loss through ampx.scale_loss and call step() without a closure.)"
             )
-        self.cache(optimizer)
+        self._heal(optimizer)
+        cache = self.cache(optimizer)
         decision = StepDecision()
         found = self.found_inf
         if self.stage is Stage.UNSCALED and found is not None and self.policy.skips:
-            if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if getattr(optimizer, "_step_supports_amp_scaling", False) and \
+                    not _creates_state(optimizer, cache):
                 decision.flag = found
             else:
                 decision.skip = bool(found.item())  # the one host sync of a step
+        decision.mark = _version_mark(cache)
         self._decision = decision
         return decision
 
@@ -402,6 +440,32 @@ class OptimizerAmpState:
         self.overflow_flags = ()
         self._decision = None
         self.stage = Stage.READY
+
+
+def _version_mark(cache: ParamCache) -> tuple[torch.Tensor, int] | None:
+    """(first stepped parameter with a gradient, its version): what `updated` compares."""
+    for param in itertools.chain(cache.masters, cache.others):
+        if param.grad is not None:
+            return param, param._version
+    return None
+
+
+def _creates_state(optimizer: torch.optim.Optimizer, cache: ParamCache) -> bool:
+    """Whether this fused step would create torch SGD momentum buffers (a first step).
+
+    Such a step is decided on the host, not in the fused kernel: torch's fused SGD allocates
+    its momentum buffers with `empty_like` and its kernel returns early on `found_inf`, so a
+    skipped first step would leave garbage momentum behind. (Fused Adam/AdamW make zeros and
+    take their step counts back; Adagrad makes its state at construction.)
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    state = optimizer.state
+    if len(state) >= len(cache.params):  # the usual case: every parameter has its buffer
+        return False
+    return any(group.get("momentum", 0) != 0 and p.grad is not None
+               and "momentum_buffer" not in state.get(p, {})
+               for group in optimizer.param_groups for p in group["params"])
 
 
 def _copy_masters(cache: ParamCache) -> BaseException | None:

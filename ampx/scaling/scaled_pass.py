@@ -4,6 +4,11 @@
 moves every optimizer to SCALING (or none), `abort` puts every one back, and `end` computes every
 optimizer's new gradients, the pass's overflow flag (agreed across ranks) and the scaler's next
 state into fresh tensors, then commits all of it through one `Journal`.
+
+`begin` records its changes in the pass's own journal, so `abort` knows what this pass began
+even when an interrupt lands between two transitions (or right after `begin` returns): it
+aborts exactly those optimizers, and never one that another pass (a nested `scale_loss`
+refused) had moved. `abort` is idempotent, so the caller may call it on any exception.
 """
 
 from __future__ import annotations
@@ -36,23 +41,29 @@ class ScaledPass:
         self.pairs = list(zip(optimizers, states))
         self.scaler = scaler
         self.sync = sync
+        self._begun = Journal()  # begin's changes: non-empty once any optimizer moved
+        self._began_here = False  # False: the optimizers were moved to SCALING elsewhere
+        # (apex's _prepare_amp_backward), and `abort` acts on all of them
 
     def begin(self) -> None:
-        """Every optimizer to SCALING, or none (a failure undoes the ones already moved)."""
-        done: list[tuple[torch.optim.Optimizer, OptimizerAmpState]] = []
-        try:
+        """Every optimizer to SCALING, or none (a failure rolls back the ones already moved)."""
+        self._began_here = True
+        with self._begun.atomic():
             for opt, state in self.pairs:
-                state.begin_backward(opt)
-                done.append((opt, state))
-        except BaseException:
-            for opt, state in reversed(done):
-                state.abort_backward(opt)
-            raise
+                state.begin_backward(opt, self._begun)
 
     def abort(self) -> None:
-        """Every optimizer back to where it was before `begin`."""
+        """Every optimizer this pass moved back to where it was before `begin` (idempotent).
+
+        After `end` committed (stage UNSCALED or SCALED) there is nothing to abort: each
+        optimizer's `abort_backward` acts in SCALING only. A pass whose `begin` ran elsewhere
+        (apex's `_prepare_amp_backward`) aborts every optimizer it holds.
+        """
+        if self._began_here and not len(self._begun):
+            return
         for opt, state in reversed(self.pairs):
             state.abort_backward(opt)
+        self._begun.forget()
 
     def end(self, loss: torch.Tensor, *, loss_id: int, delay_unscale: bool = False,
             check: bool = True) -> None:
@@ -71,16 +82,15 @@ class ScaledPass:
         except BaseException:
             self.abort()
             raise
+        self._begun.forget()  # committed: nothing left to abort
+        self._began_here = True
 
     def _end(self, loss: torch.Tensor, loss_id: int, delay_unscale: bool, check: bool) -> None:
         journal = Journal()
         if delay_unscale:
-            try:
+            with journal.atomic():
                 for _, state in self.pairs:
                     state.commit_delayed(journal)
-            except BaseException:
-                journal.rollback()
-                raise
             return
         scaler = self.scaler
         found = torch.zeros(1, dtype=torch.float32, device=scaler.device)
@@ -97,13 +107,10 @@ class ScaledPass:
         if check:
             self.sync(found)
             new_scaler = scaler.next_state(found)
-        try:
+        with journal.atomic():
             for (_, state), work, per in zip(self.pairs, works, flags):
                 flag = state.next_flag(found) if check and state.policy.skips else None
                 state.commit_unscale(journal, work, flag, loss_id if check else None, loss,
                                      per)
             if new_scaler is not None:
                 scaler.commit(journal, new_scaler)
-        except BaseException:
-            journal.rollback()
-            raise

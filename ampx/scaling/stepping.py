@@ -25,7 +25,7 @@ counting steps.
 from __future__ import annotations
 
 import weakref
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any
 
 import torch
@@ -125,7 +125,13 @@ def attach(optimizer: torch.optim.Optimizer, owner: object, masters: MasterMap,
     state._groups_seen = len(optimizer.param_groups)
     handler = _ZeroGrad(optimizer, vars(optimizer).get("zero_grad"))
     state.handles.append(optimizer.register_step_pre_hook(_step_pre_hook))
-    state.handles.append(optimizer.register_step_post_hook(_step_post_hook))
+    post = optimizer.register_step_post_hook(_step_post_hook)
+    # ampx's post hook runs first: a user's post hook that raises (registered before
+    # initialize) must not leave the half model behind its freshly stepped masters.
+    hooks = optimizer._optimizer_step_post_hooks
+    if isinstance(hooks, OrderedDict):  # torch keeps an OrderedDict
+        hooks.move_to_end(post.id, last=False)
+    state.handles.append(post)
     optimizer.zero_grad = handler  # type: ignore[method-assign]
     state.handles.append(_Detach(optimizer, handler))
     setattr(optimizer, ATTR, state)
@@ -147,6 +153,11 @@ def _standin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     shell.param_groups = [dict(group, params=[]) for group in optimizer.param_groups]
     shell.state = defaultdict(dict, {k: dict(v) if isinstance(v, dict) else v
                                      for k, v in optimizer.state.items()})
+    # A wrapper's inner optimizer (LARC's `optim`, apex's FP16_Optimizer's `optimizer`) is
+    # stepped by the wrapper's step: it gets a stand-in too, or the skipped step reaches it.
+    for name, value in vars(optimizer).items():
+        if isinstance(value, torch.optim.Optimizer) and value is not optimizer:
+            setattr(shell, name, _standin(value))
     return shell
 
 

@@ -13,7 +13,10 @@ accumulated nor cast is checked in place, multiplied by 1, which changes no valu
 failure there leaves it as it was too.
 
 Sparse gradients (`nn.Embedding(sparse=True)`) are unscaled through their values and checked
-like dense ones; the result is a sparse gradient of the same indices.
+like dense ones; the result is a sparse gradient of the same indices. One that stays fp16 (no
+fp32 master) is coalesced first (into a new tensor: nothing changes before the commit), as
+torch's GradScaler does: an index repeated in an uncoalesced gradient overflows only once its
+values are summed.
 
 Per-tensor overflow flags: `run(..., per_tensor=True)` returns one float32 flag per entry of
 `UnscaleWork.flag_params` (1.0 where that parameter's new gradient had inf/NaN), filled by the
@@ -102,6 +105,11 @@ def _classify(work: UnscaleWork, unit_scale: bool
             results.append(earlier)
             continue
         if src.is_sparse:
+            if target.dtype == torch.float16:
+                # as torch's GradScaler: duplicate indices are summed by the optimizer, and
+                # fp16 sums can overflow where every single value is finite (an fp32 master
+                # gradient sums in fp32: nothing to coalesce)
+                src = src.coalesce()
             values = src._values()
             out = torch.empty(values.shape, dtype=target.dtype, device=values.device)
             lists["fresh"][0].append(values)

@@ -221,8 +221,9 @@ def test_several_loss_ids_are_told_apart() -> None:
 
 def test_clean_steps_read_nothing_from_the_device(syncs: SyncCounter) -> None:
     model = Net()
-    tracker = GradFlags(ParamNames.from_models([model]))
-    for _ in range(3):
+    names = ParamNames.from_models([model])
+    for _ in range(3):  # flags are per step: a clean step never builds a report
+        tracker = GradFlags(names)
         scaled_backward(model, 2.0, {})
         params = list(model.parameters())
         flags = tracker.flags_for(0, params, torch.device("cpu"))

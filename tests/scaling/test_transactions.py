@@ -350,3 +350,221 @@ def test_step_after_delay_unscale_raises(half_dtype: torch.dtype) -> None:
     with pytest.raises(RuntimeError, match="still scaled"):
         opt.step()
     assert same(snapshot(amp, model, opt), before)
+
+
+# -- every transition point of a step, not only the kernel calls (issue 22 items 6 and 7) ------
+
+def _fault(monkeypatch: pytest.MonkeyPatch, target: str, when: str,
+           exc: type[BaseException]) -> list[int]:
+    """Make `target` (a dotted method path) raise `exc` once, before or after its work."""
+    module, cls_name, name = target.rsplit(".", 2)
+    owner = getattr(__import__(module, fromlist=[cls_name]), cls_name)
+    original = getattr(owner, name)
+    fired = [0]
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if fired[0]:
+            return original(*args, **kwargs)
+        fired[0] = 1
+        if when == "before":
+            raise exc(f"injected before {name}")
+        original(*args, **kwargs)
+        raise exc(f"injected after {name}")
+
+    monkeypatch.setattr(owner, name, wrapped)
+    return fired
+
+
+# (target, when, outcome): "never" = bitwise as before the interrupted call; "done" = the
+# interrupted step is completed by the next entry (its update had already run).
+PASS_POINTS = [
+    ("ampx.scaling.protocol.OptimizerAmpState.begin_backward", "after"),
+    ("ampx.scaling.scaled_pass.ScaledPass.begin", "after"),
+    ("ampx.scaling.scaled_pass.ScaledPass.end", "before"),
+    ("ampx.scaling.scaled_pass.ScaledPass._end", "before"),
+    ("ampx.scaling.protocol.OptimizerAmpState.commit_unscale", "after"),
+    ("ampx.scaling.scaler.LossScaler.commit", "after"),
+]
+STEP_POINTS = [
+    ("ampx.scaling.protocol.OptimizerAmpState.decide_step", "before", "never"),
+    ("ampx.scaling.protocol.OptimizerAmpState.decide_step", "after", "never"),
+    ("ampx.scaling.protocol.OptimizerAmpState.after_step", "before", "done"),
+]
+
+
+def _ids(points: list[tuple]) -> list[str]:
+    return [f"{p[0].rsplit('.', 1)[-1]}-{p[1]}" for p in points]
+
+
+def model_equals_masters(model: nn.Module, opt: Any) -> bool:
+    """At O2 every half model parameter is the cast of its fp32 master."""
+    state = opt._ampx
+    cache = state.cache(opt)
+    return all(torch.equal(m, p.detach().to(m.dtype)) for p, m in zip(cache.masters, cache.models))
+
+
+def _uninterrupted_accumulating(level: str, dtype: torch.dtype, opt_cls: Any,
+                                zero_grad: bool = False) -> dict[str, Any]:
+    amp, model, opt = make(level, dtype, opt_cls)
+    head(amp, model, opt)
+    first_pass(amp, model, opt, False)
+    scenario(amp, model, opt)
+    if zero_grad:
+        opt.zero_grad()
+    backward(amp, model, opt, 3)
+    opt.step()
+    return snapshot(amp, model, opt)
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize(("target", "when"), PASS_POINTS, ids=_ids(PASS_POINTS))
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_interrupt_at_each_point_of_a_pass_changes_nothing(
+        backend: str, level: str, target: str, when: str, exc: type[BaseException],
+        half_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 6: right after `begin` (or one optimizer's begin), at `end`'s entry, in the middle
+    of the commit: the optimizer is never left in SCALING and nothing changed."""
+    expected = _uninterrupted_accumulating(level, half_dtype, torch.optim.AdamW)
+    amp, model, opt = make(level, half_dtype)
+    head(amp, model, opt)
+    first_pass(amp, model, opt, False)
+    before = snapshot(amp, model, opt)
+    with monkeypatch.context() as m:
+        fired = _fault(m, target, when, exc)
+        with pytest.raises(exc, match="injected"):
+            scenario(amp, model, opt)
+        assert fired[0]
+    assert same(snapshot(amp, model, opt), before)
+    assert opt._ampx.stage.value == "UNSCALED"
+    scenario(amp, model, opt)  # nothing is stuck: the same pass and step, clean
+    backward(amp, model, opt, 3)
+    opt.step()
+    assert same(snapshot(amp, model, opt), expected)
+    assert level == "O1" or model_equals_masters(model, opt)
+
+
+class InterruptAfterUpdate(torch.optim.AdamW):
+    """An optimizer whose step is interrupted once after its update (before ampx's hook)."""
+
+    armed = False
+    exc: type[BaseException] = KeyboardInterrupt
+
+    def step(self, closure: Any = None) -> Any:
+        # AdamW's own step, without torch's hook wrapper (which would run the hooks twice)
+        update = torch.optim.AdamW.step
+        with torch.no_grad():
+            out = getattr(update, "__wrapped__", update)(self, closure)
+        if self.armed:
+            self.armed = False
+            raise self.exc("injected after the update")
+        return out
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("point", [*STEP_POINTS, ("update", "after", "done"),
+                                   ("post-hook", "after", "done")],
+                         ids=[*_ids(STEP_POINTS), "update-after", "user-post-hook"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_interrupt_at_each_point_of_a_step_never_leaves_a_stale_model(
+        backend: str, level: str, point: tuple, exc: type[BaseException],
+        half_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 7: between the optimizer's update and the master -> model copy (the update
+    interrupted after it ran, ampx's post hook interrupted at its entry, a user's post hook
+    registered before initialize that raises): the step is completed, never half-done (by
+    ampx's hook, which runs first, or by the next `zero_grad`/`scale_loss`/`step` when the
+    update ran but the hook did not); the model equals its masters and the next step is
+    bitwise that of an uninterrupted run. A fault before the update leaves the step pending
+    (bitwise as before; `step()` retries it)."""
+    target, when, outcome = point
+    expected = _uninterrupted_accumulating(level, half_dtype, InterruptAfterUpdate, True)
+    torch.manual_seed(0)
+    raw, raw_opt = mlp(), None
+    raw_opt = InterruptAfterUpdate(raw.parameters(), lr=1e-2)
+    hook_armed = [False]
+    if target == "post-hook":
+        def user_hook(*args: Any) -> None:
+            if hook_armed[0]:
+                hook_armed[0] = False
+                raise exc("injected in a user post hook")
+        raw_opt.register_step_post_hook(user_hook)
+    amp = ampx.Amp(level, dtype=half_dtype, loss_scale="dynamic", verbosity=0, init_scale=2.0**8)
+    model, opt = amp.initialize(raw, raw_opt)
+    head(amp, model, opt)
+    first_pass(amp, model, opt, False)
+    backward(amp, model, opt, 2)
+    before = snapshot(amp, model, opt)
+    with monkeypatch.context() as m:
+        if target == "update":
+            opt.armed, opt.exc = True, exc
+        elif target == "post-hook":
+            hook_armed[0] = True
+        else:
+            _fault(m, target, when, exc)
+        with pytest.raises(exc, match="injected"):
+            opt.step()
+    if outcome == "never":
+        assert same(snapshot(amp, model, opt), before)
+        opt.step()  # retried
+    if target == "post-hook":  # ampx's hook ran first: completed at once
+        assert opt._ampx.steps == 2 and (level == "O1" or model_equals_masters(model, opt))
+    opt.zero_grad()  # the next entry completes an interrupted update
+    assert level == "O1" or model_equals_masters(model, opt)
+    backward(amp, model, opt, 3)
+    opt.step()
+    assert same(snapshot(amp, model, opt), expected)
+    assert level == "O1" or model_equals_masters(model, opt)
+
+
+# -- apex's companion optimizers are first-class in the fault tests (issue 22) ----------------
+
+def _companions() -> dict[str, Callable[..., torch.optim.Optimizer]]:
+    from ampx.compat.apex.larc import LARC
+    from ampx.compat.apex.optimizers import FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+
+    return {
+        "FusedAdam": FusedAdam,
+        "FusedSGD": lambda ps, lr: FusedSGD(ps, lr=lr, momentum=0.9),
+        "FusedLAMB": FusedLAMB,
+        "FusedNovoGrad": FusedNovoGrad,
+        "LARC(SGD)": lambda ps, lr: LARC(torch.optim.SGD(ps, lr=lr, momentum=0.9)),
+    }
+
+
+COMPANIONS = list(_companions())
+
+
+@pytest.mark.parametrize("name", COMPANIONS)
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_fault_in_every_kernel_call_with_an_apex_companion(
+        backend: str, level: str, exc: type[BaseException], name: str,
+        half_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LARC and the Fused* optimizers under the kernel-call fault injection: a failed pass
+    changes nothing, a failed master copy rolls forward, the model equals its masters and
+    the next clean step is bitwise that of an uninterrupted run."""
+    factory = _companions()[name]
+
+    def prepare() -> tuple:
+        amp, model, opt = make(level, half_dtype, lambda ps, lr: factory(ps, lr=lr))
+        head(amp, model, opt)
+        first_pass(amp, model, opt, False)
+        return amp, model, opt
+
+    amp, model, opt = prepare()
+    scenario(amp, model, opt)
+    backward(amp, model, opt, 3)
+    opt.step()
+    expected = snapshot(amp, model, opt)
+    total = kernel_calls(monkeypatch, prepare, scenario)
+    assert total >= 2
+    for at in range(total):
+        amp, model, opt = prepare()
+        before = snapshot(amp, model, opt)
+        fail_at(monkeypatch, at, exc, scenario, amp, model, opt)
+        if opt._ampx.steps == 1:  # the fault was in the pass
+            assert same(snapshot(amp, model, opt), before), at
+            scenario(amp, model, opt)
+        assert level == "O1" or model_equals_masters(model, opt)
+        backward(amp, model, opt, 3)
+        opt.step()
+        assert same(snapshot(amp, model, opt), expected), f"fault at kernel call {at}"

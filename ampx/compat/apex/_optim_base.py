@@ -50,6 +50,23 @@ class _FusedBase(torch.optim.Optimizer):
         state.update({name: getattr(self, name) for name in self._options})
         return state
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's `load_state_dict`, keeping floating state in the math dtype.
+
+        torch casts floating state to each parameter's dtype; these optimizers keep theirs
+        (exp_avg, exp_avg_sq, momentum, FusedAdam's `master_param`) in float32 for half
+        parameters, so a resumed run would otherwise continue from rounded state.
+        """
+        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for param_id, param in zip(ids, params):
+            for key, value in saved.get(param_id, {}).items():
+                if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                    self.state[param][key] = value.to(dtype=_math_dtype(param),
+                                                      device=param.device)
+
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clear gradients: to None when `set_to_none` (default: the `set_grad_none` option)."""
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
