@@ -50,7 +50,7 @@ from ._journal import Journal
 from .masters import ParamCache, grad_mark, optimizer_params
 from .model import MasterMap
 
-__all__ = ["OptimizerAmpState", "Policy", "Stage", "amp_state_of", "master_params"]
+__all__ = ["OptimizerAmpState", "Policy", "Stage", "amp_state_of", "master_params", "unwrap"]
 
 logger = logging.getLogger("ampx")
 
@@ -102,6 +102,7 @@ class StepDecision:
 
     skip: bool = False
     flag: torch.Tensor | None = None  # fused path: the device flag handed to the optimizer
+    closure_result: tuple[Any] | None = None  # (result,) when decide_step ran the closure
 
 
 @dataclass(eq=False)
@@ -340,6 +341,9 @@ class OptimizerAmpState:
     def decide_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> StepDecision:
         """Before the optimizer's step: skip it or not (recorded; committed by `after_step`).
 
+        With a closure (and loss scaling) the closure runs here first, under grad mode, and
+        its result is kept in `StepDecision.closure_result`; if it raises, nothing was decided.
+
         .. note:: Reads the device overflow flag with one `.item()`: the only host sync of a
            step, and only when a checked `scale_loss` ran since the last step. Fused torch
            optimizers that take `found_inf` (`_step_supports_amp_scaling`) get the device
@@ -353,11 +357,19 @@ class OptimizerAmpState:
                 "optimizer.step() was called inside a scale_loss block; step after the block."
             )
         if closure is not None and self.policy.scales:
-            raise RuntimeError(
-                "Currently, Amp does not support closure use with optimizers. "
-                "(ampx: step(closure) cannot be combined with loss scaling; run the closure's "
-                "loss through ampx.scale_loss and call step() without a closure.)"
-            )
+            # As torch's precision plugins do for GradScaler: the closure (forward + scaled
+            # backward) runs first, then the step is decided on its flag; the optimizer's own
+            # step gets the result instead of running the closure again (`stepping`).
+            if isinstance(optimizer, torch.optim.LBFGS):
+                raise RuntimeError(
+                    "optimizer.step(closure): LBFGS evaluates its closure again inside step(), "
+                    "where ampx cannot check those gradients for inf/NaN; train LBFGS at "
+                    "opt_level='O0' (torch.amp's GradScaler refuses closures too).")
+            with torch.enable_grad():
+                result = (closure(),)
+            decision = self.decide_step(optimizer, None)
+            decision.closure_result = result
+            return decision
         self.cache(optimizer)
         decision = StepDecision()
         found = self.found_inf
@@ -421,9 +433,26 @@ def _copy_masters(cache: ParamCache) -> BaseException | None:
             return exc
 
 
+def unwrap(optimizer: Any) -> Any:
+    """The optimizer ampx attached to, behind wrappers that expose it as `.optimizer`.
+
+    Lightning's `LightningOptimizer` and Accelerate's `AcceleratedOptimizer` (and wrappers of
+    wrappers) resolve to the torch optimizer inside; anything else comes back unchanged.
+    """
+    obj = optimizer
+    for _ in range(8):  # a bound on wrapper depth; a cycle stops here too
+        if ATTR in getattr(obj, "__dict__", {}):
+            return obj
+        obj = getattr(obj, "optimizer", None)
+        if obj is None:
+            break
+    return optimizer
+
+
 def amp_state_of(optimizer: Any) -> OptimizerAmpState | None:
-    """The ampx state of an optimizer, or None if it never went through initialize."""
-    return getattr(optimizer, ATTR, None)
+    """The ampx state of an optimizer (or of the one a wrapper holds), or None if it never
+    went through initialize."""
+    return getattr(unwrap(optimizer), ATTR, None)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -433,6 +462,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     unscaled gradients. Half parameters added with `add_param_group` after initialize get
     their masters here at the latest.
     """
+    optimizer = unwrap(optimizer)  # a LightningOptimizer / AcceleratedOptimizer
     state = amp_state_of(optimizer)
     if state is not None:
         state.cache(optimizer)

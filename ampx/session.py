@@ -27,7 +27,7 @@ from .opt_levels import (
     forced_options,
     resolve_properties,
 )
-from .optimizer import OptimizerAmpState, Policy, amp_state_of
+from .optimizer import OptimizerAmpState, Policy, amp_state_of, unwrap
 from .option_values import HALF_DTYPES
 from .overflow import OverflowReport
 from .overflow_session import OverflowWatch
@@ -237,7 +237,7 @@ class Amp:
         if not self.properties.enabled:
             yield loss
             return
-        opts = _optimizer_list(optimizers)
+        opts = [unwrap(opt) for opt in _optimizer_list(optimizers)]  # Lightning's, Accelerate's
         states = [self._state_of(opt) for opt in opts]
         if not 0 <= loss_id < len(self.scalers):
             raise IndexError(
@@ -286,7 +286,7 @@ class Amp:
         """Where the inf/NaN of `optimizer`'s latest skipped step came from (None: no skip)."""
         self._state_of(optimizer)
         watch = self.overflow_watch
-        return watch.last(optimizer) if watch is not None else None
+        return watch.last(unwrap(optimizer)) if watch is not None else None
 
     def _state_of(self, optimizer: Any) -> OptimizerAmpState:
         state = amp_state_of(optimizer)
