@@ -223,6 +223,28 @@ def test_fabric_matches_the_hand_written_loop(level: str) -> None:
     assert same(weights(model), weights(want))
 
 
+def test_fabric_save_and_load_carry_the_loss_scaler(tmp_path: Path) -> None:
+    precision = AmpxPrecision(opt_level="O2", dtype="fp16")
+    fabric = fabric_mod.Fabric(accelerator="cpu", devices=1, plugins=[precision])
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = fabric.setup(*precision.initialize(model, opt))
+    x, y = next(iter(loader()))
+    fabric.backward(loss_of(model(x), y, True))  # an overflow halves the scale
+    opt.step()
+    assert ampx.step_was_skipped(opt) and precision.amp.loss_scale() == 2.0**15
+    fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": opt, "amp": precision})
+
+    other = AmpxPrecision(opt_level="O2", dtype="fp16")
+    fabric = fabric_mod.Fabric(accelerator="cpu", devices=1, plugins=[other])
+    model2 = Net()
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    model2, opt2 = fabric.setup(*other.initialize(model2, opt2))
+    fabric.load(tmp_path / "ckpt", {"model": model2, "optimizer": opt2, "amp": other})
+    assert other.amp.loss_scale() == 2.0**15
+    assert same(weights(model2), weights(model))
+
+
 def test_fabric_without_initialize_says_what_to_do() -> None:
     precision = AmpxPrecision(opt_level="O2", dtype="bf16")
     fabric = fabric_mod.Fabric(accelerator="cpu", devices=1, plugins=[precision])
