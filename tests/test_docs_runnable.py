@@ -68,3 +68,14 @@ def test_readme_links_the_framework_pages() -> None:
     for page in ("lightning.md", "accelerate.md", "hf-trainer.md", "compile.md",
                  "reliability.md", "debugging-overflows.md"):
         assert f"](docs/{page})" in readme, page
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_cli_md_quotes_what_ampx_lists_prints(level: str, capsys: pytest.CaptureFixture[str]
+                                              ) -> None:
+    from ampx import cli
+
+    assert cli.main(["lists", "--level", level, "--dtype", "bf16"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert f"$ ampx lists --level {level} --dtype bf16\n{first}\n" in (
+        ROOT / "docs" / "cli.md").read_text()
