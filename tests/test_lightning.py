@@ -218,7 +218,6 @@ def test_fabric_matches_the_hand_written_loop(level: str) -> None:
         fabric.backward(loss)
         opt.step()
         sched.step()
-    precision.teardown()
     assert losses == want_losses
     assert same(weights(model), weights(want))
 
@@ -252,6 +251,14 @@ def test_fabric_without_initialize_says_what_to_do() -> None:
     model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(RuntimeError, match=r"precision.initialize\(model, optimizer\)"):
         model(torch.randn(4, 8))
+
+
+def test_a_second_fit_with_the_same_plugin_is_refused() -> None:
+    plugin = AmpxPrecision(opt_level="O1", dtype="bf16")
+    model = Net()
+    trainer(plugin).fit(model, loader(8))
+    with pytest.raises(RuntimeError, match="earlier fit"):
+        trainer(plugin).fit(model, loader(8))
 
 
 def test_bad_options_fail_when_the_plugin_is_made() -> None:

@@ -21,6 +21,7 @@ What the plugin does at each of Lightning's precision hooks:
   an overflow. Lightning counts that step in `global_step` and steps schedulers, exactly as it
   does for a step `torch.amp.GradScaler` skips under ``precision="16-mixed"``.
 - `state_dict`/`load_state_dict`: the session's loss-scaler state, saved in the checkpoint.
+- `teardown`: nothing; O1's patches stay until `ampx.restore()`, as after `ampx.initialize`.
 
 Fabric has no hook that sees the model and its optimizers together, so initialize through the
 plugin before `fabric.setup`::
@@ -120,8 +121,11 @@ class AmpxPrecision(Precision):
                 f"AmpxPrecision: the strategy handed a {type(model).__name__} to the precision "
                 "plugin; ampx supports Lightning's single-device and 'ddp' strategies "
                 "(FSDP/DeepSpeed shard parameters, which ampx's masters cannot follow).")
-        if self.amp is not None and self.amp.models and self.amp.models[0] is module:
-            return model, optimizers, lr_schedulers  # a second fit on the same model
+        if self.amp is not None and self.amp.models:
+            raise RuntimeError(
+                "AmpxPrecision: this plugin already initialized a model in an earlier fit, and "
+                "a model goes through ampx once. For another fit, load the checkpoint into a "
+                "fresh model with a new AmpxPrecision (Trainer(...).fit(model, ckpt_path=...)).")
         amp = self._new_session()
         amp.initialize(module, [unwrap(opt) for opt in optimizers] or None)
         self._start(amp)
@@ -214,6 +218,5 @@ class AmpxPrecision(Precision):
             self.amp.load_state_dict(state_dict)
 
     def teardown(self) -> None:
-        """Remove O1's function patches (the models keep their O2/O3 casts)."""
-        if self.amp is not None:
-            self.amp.restore()
+        """Nothing to undo: as after `ampx.initialize`, O1's patches stay installed after the
+        fit (validation and prediction run with them); `ampx.restore()` removes them."""
