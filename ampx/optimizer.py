@@ -102,7 +102,6 @@ class StepDecision:
 
     skip: bool = False
     flag: torch.Tensor | None = None  # fused path: the device flag handed to the optimizer
-    closure_result: tuple[Any] | None = None  # (result,) when decide_step ran the closure
 
 
 @dataclass(eq=False)
@@ -341,8 +340,7 @@ class OptimizerAmpState:
     def decide_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> StepDecision:
         """Before the optimizer's step: skip it or not (recorded; committed by `after_step`).
 
-        With a closure (and loss scaling) the closure runs here first, under grad mode, and
-        its result is kept in `StepDecision.closure_result`; if it raises, nothing was decided.
+        A closure has already run by then (`stepping` runs it first under loss scaling).
 
         .. note:: Reads the device overflow flag with one `.item()`: the only host sync of a
            step, and only when a checked `scale_loss` ran since the last step. Fused torch
@@ -356,20 +354,6 @@ class OptimizerAmpState:
                 "delay_unscale before step()." if self.stage is Stage.SCALED else
                 "optimizer.step() was called inside a scale_loss block; step after the block."
             )
-        if closure is not None and self.policy.scales:
-            # As torch's precision plugins do for GradScaler: the closure (forward + scaled
-            # backward) runs first, then the step is decided on its flag; the optimizer's own
-            # step gets the result instead of running the closure again (`stepping`).
-            if isinstance(optimizer, torch.optim.LBFGS):
-                raise RuntimeError(
-                    "optimizer.step(closure): LBFGS evaluates its closure again inside step(), "
-                    "where ampx cannot check those gradients for inf/NaN; train LBFGS at "
-                    "opt_level='O0' (torch.amp's GradScaler refuses closures too).")
-            with torch.enable_grad():
-                result = (closure(),)
-            decision = self.decide_step(optimizer, None)
-            decision.closure_result = result
-            return decision
         self.cache(optimizer)
         decision = StepDecision()
         found = self.found_inf
@@ -434,13 +418,10 @@ def _copy_masters(cache: ParamCache) -> BaseException | None:
 
 
 def unwrap(optimizer: Any) -> Any:
-    """The optimizer ampx attached to, behind wrappers that expose it as `.optimizer`.
-
-    Lightning's `LightningOptimizer` and Accelerate's `AcceleratedOptimizer` (and wrappers of
-    wrappers) resolve to the torch optimizer inside; anything else comes back unchanged.
-    """
+    """The optimizer ampx attached to, behind wrappers exposing it as `.optimizer` (Lightning's
+    `LightningOptimizer`, Accelerate's `AcceleratedOptimizer`); anything else unchanged."""
     obj = optimizer
-    for _ in range(8):  # a bound on wrapper depth; a cycle stops here too
+    for _ in range(8):  # a bound on wrapper depth (and on a cycle)
         if ATTR in getattr(obj, "__dict__", {}):
             return obj
         obj = getattr(obj, "optimizer", None)
@@ -450,8 +431,7 @@ def unwrap(optimizer: Any) -> Any:
 
 
 def amp_state_of(optimizer: Any) -> OptimizerAmpState | None:
-    """The ampx state of an optimizer (or of the one a wrapper holds), or None if it never
-    went through initialize."""
+    """The ampx state of an optimizer (or of a wrapper's), or None without initialize."""
     return getattr(unwrap(optimizer), ATTR, None)
 
 

@@ -35,7 +35,7 @@ import torch
 
 from . import suspend
 from .model import MasterMap
-from .optimizer import ATTR, OptimizerAmpState, Policy, amp_state_of
+from .optimizer import ATTR, OptimizerAmpState, Policy, Stage, amp_state_of
 
 __all__ = ["attach", "check_optimizers", "detach"]
 
@@ -162,9 +162,11 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
     for name in _FUSED_ATTRS:  # left over from a fused step that raised
         vars(optimizer).pop(name, None)
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
+    ran = closure is not None and state.policy.scales and state.stage not in (
+        Stage.SCALING, Stage.SCALED)  # (decide_step refuses those stages)
+    if ran:  # the closure first, then the decision on its flag; the step gets its result
+        args, kwargs = _with_closure(args, kwargs, _Evaluated(_run_closure(optimizer, closure)))
     decision = state.decide_step(optimizer, closure)
-    if decision.closure_result is not None:  # decide_step ran the closure: hand on its result
-        args, kwargs = _with_closure(args, kwargs, _Evaluated(decision.closure_result[0]))
     if decision.skip:
         return (_standin(optimizer), *args[1:]), kwargs
     if suspend.for_loop(optimizer):
@@ -172,7 +174,21 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
     if decision.flag is not None:
         optimizer.grad_scale = None  # type: ignore[attr-defined]  # already unscaled
         optimizer.found_inf = decision.flag.reshape(())  # type: ignore[attr-defined]
-    return (args, kwargs) if decision.closure_result is not None else None
+    return (args, kwargs) if ran else None
+
+
+def _run_closure(optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+    """Run `step`'s closure (forward + scaled backward) under grad mode, as `step` would.
+
+    As torch's precision plugins do for GradScaler; if it raises, nothing was decided.
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise RuntimeError(
+            "optimizer.step(closure): LBFGS evaluates its closure again inside step(), where "
+            "ampx cannot check those gradients for inf/NaN; train LBFGS at opt_level='O0' "
+            "(torch.amp's GradScaler refuses closures too).")
+    with torch.enable_grad():
+        return closure()
 
 
 class _Evaluated:
