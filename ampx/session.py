@@ -27,7 +27,7 @@ from .overflow.watch import OverflowWatch
 from .registry import SESSIONS
 from .scaling import checkpoint
 from .scaling.masters import optimizer_params
-from .scaling.protocol import OptimizerAmpState, SessionHooks, amp_state_of
+from .scaling.protocol import OptimizerAmpState, SessionHooks, amp_state_of, unwrap
 from .scaling.scaled_pass import ScaledPass
 from .scaling.scaler import LossScaler
 
@@ -236,7 +236,7 @@ class Amp:
         if not self.properties.enabled:
             yield loss
             return
-        opts = _optimizer_list(optimizers)
+        opts = [unwrap(opt) for opt in _optimizer_list(optimizers)]  # Lightning's, Accelerate's
         states = [self._state_of(opt) for opt in opts]
         if not 0 <= loss_id < len(self.scalers):
             raise IndexError(
@@ -286,7 +286,7 @@ class Amp:
         """Where the inf/NaN of `optimizer`'s latest skipped step came from (None: no skip)."""
         self._state_of(optimizer)
         watch = self.overflow_watch
-        return watch.last(optimizer) if watch is not None else None
+        return watch.last(unwrap(optimizer)) if watch is not None else None
 
     def _state_of(self, optimizer: Any) -> OptimizerAmpState:
         state = amp_state_of(optimizer)

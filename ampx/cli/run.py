@@ -87,6 +87,7 @@ def run(request: RunRequest) -> int:
         stack.enter_context(_main_like_python(request))
         stack.enter_context(_forced_and_alias(request))
         stack.enter_context(_children(request))
+        stack.enter_context(_warn_without_initialize(request))  # exits before the alias goes
         if request.max_steps:
             stack.enter_context(_step_limit(request.max_steps))
         try:
@@ -241,6 +242,41 @@ def _restore_patches() -> None:
         frontend.restore()
     except Exception:  # never let cleanup hide the script's exit status
         logger.debug("ampx run: restore() after the script failed", exc_info=True)
+
+
+@contextlib.contextmanager
+def _warn_without_initialize(request: RunRequest) -> Iterator[None]:
+    """Warn at exit when the script never initialized ampx here (so nothing was forced).
+
+    Counted through a global optimizer step hook (plain steps, steps of initialized
+    optimizers) plus the default session: a script that stepped only plain optimizers, or
+    that was given forced options, and never called `initialize` trained without ampx.
+    """
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from .. import frontend
+    from ..scaling.protocol import amp_state_of
+
+    steps = {"plain": 0, "ampx": 0}
+    before = frontend.default_session()
+
+    def count(optimizer: Any, args: Any, kwargs: Any) -> None:
+        steps["ampx" if amp_state_of(optimizer) is not None else "plain"] += 1
+
+    hook = register_optimizer_step_pre_hook(count)
+    try:
+        yield
+    finally:
+        hook.remove()
+        initialized = steps["ampx"] > 0 or frontend.default_session() is not before
+        if not initialized and (steps["plain"] or request.forced):
+            forced = request.forced.describe()
+            logger.warning(
+                "ampx run: the script never called amp.initialize in this process%s; its %d "
+                "optimizer step(s) ran without ampx, in the precision the script chose. Call "
+                "`model, optimizer = amp.initialize(model, optimizer)` after building them.",
+                f", so the forced options ({forced}) were not applied" if forced else "",
+                steps["plain"])
 
 
 @contextlib.contextmanager

@@ -4,7 +4,9 @@
 ``from apex import amp``, ``import apex.amp`` and ``from apex.amp import _amp_state`` give
 `ampx.amp` (apex's public names plus the `_amp_state` compatibility view, whose
 `loss_scalers[i]` are the live `ampx.LossScaler` objects). It does so only when no real apex is
-importable, unless `force=True`: a real install is never shadowed by accident. Nothing is
+importable, unless `force=True`: a real install is never shadowed by accident. While installed,
+`importlib.metadata` also finds a distribution "apex" (version "0.1+ampx"), for frameworks
+that check availability through metadata (transformers 4.x's `is_apex_available`). Nothing is
 written to disk and no other process is affected; `uninstall()` removes the finder and the
 modules it created.
 
@@ -165,7 +167,21 @@ def _register(alias: str, module: types.ModuleType) -> None:
 
 
 class _ApexAliasFinder(importlib.abc.MetaPathFinder):
-    """Finds `apex` (the alias package) and explains the apex packages ampx lacks."""
+    """Finds `apex` (the alias package) and explains the apex packages ampx lacks.
+
+    It also answers `importlib.metadata` for the distribution "apex" (`find_distributions`),
+    so availability checks that read installed metadata rather than importing (transformers'
+    `is_apex_available`: `find_spec` plus `importlib.metadata.version`) see the alias while it
+    is installed. The finder is only installed when no real apex is importable, so a real
+    install's metadata always wins.
+    """
+
+    def find_distributions(self, context: Any = None) -> list[Any]:
+        """The alias's distribution for `importlib.metadata` (name "apex", or every name)."""
+        name = getattr(context, "name", None)
+        if name is not None and name.lower().replace("-", "_") != "apex":
+            return []
+        return [_alias_distribution()]
 
     def find_spec(
         self,
@@ -183,6 +199,25 @@ class _ApexAliasFinder(importlib.abc.MetaPathFinder):
         if fullname in _COMPANIONS:
             return importlib.machinery.ModuleSpec(fullname, _COMPANION_LOADER, is_package=True)
         raise ModuleNotFoundError(_missing_message(fullname), name=fullname)
+
+
+_METADATA = ("Metadata-Version: 2.1\nName: apex\nVersion: 0.1+ampx\n"
+             "Summary: apex alias provided by ampx (`ampx run`): apex.amp is ampx.amp\n")
+
+
+def _alias_distribution() -> Any:
+    """An `importlib.metadata.Distribution` for the alias (imported here: install stays cheap)."""
+    import importlib.metadata
+    import pathlib
+
+    class _AliasDistribution(importlib.metadata.Distribution):
+        def read_text(self, filename: str) -> str | None:
+            return {"METADATA": _METADATA, "top_level.txt": "apex\n"}.get(filename)
+
+        def locate_file(self, path: Any) -> pathlib.Path:
+            return pathlib.Path(path)
+
+    return _AliasDistribution()
 
 
 def _missing_message(fullname: str) -> str:

@@ -49,8 +49,9 @@ def last_overflow(optimizer: Any) -> OverflowReport | None:
         if ampx.step_was_skipped(optimizer):
             print(ampx.last_overflow(optimizer).summary())
     """
-    from ..scaling.protocol import amp_state_of
+    from ..scaling.protocol import amp_state_of, unwrap
 
+    optimizer = unwrap(optimizer)  # a LightningOptimizer / AcceleratedOptimizer
     state = amp_state_of(optimizer)
     if state is None:
         raise TypeError("last_overflow() needs an optimizer passed through ampx.initialize(); "

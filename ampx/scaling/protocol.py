@@ -51,7 +51,8 @@ from . import unscale
 from .journal import Journal
 from .masters import MasterMap, ParamCache, grad_mark, optimizer_params
 
-__all__ = ["OptimizerAmpState", "SessionHooks", "Stage", "amp_state_of", "master_params"]
+__all__ = ["OptimizerAmpState", "SessionHooks", "Stage", "amp_state_of", "master_params",
+           "unwrap"]
 
 logger = logging.getLogger("ampx")
 
@@ -370,6 +371,8 @@ class OptimizerAmpState:
     def decide_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> StepDecision:
         """Before the optimizer's step: skip it or not (recorded; committed by `after_step`).
 
+        A closure has already run by then (`stepping` runs it first under loss scaling).
+
         .. note:: Reads the device overflow flag with one `.item()`: the only host sync of a
            step, and only when a checked `scale_loss` ran since the last step. Fused torch
            optimizers that take `found_inf` (`_step_supports_amp_scaling`) get the device
@@ -381,12 +384,6 @@ class OptimizerAmpState:
                 "scale_loss(..., delay_unscale=True) must be followed by a scale_loss without "
                 "delay_unscale before step()." if self.stage is Stage.SCALED else
                 "optimizer.step() was called inside a scale_loss block; step after the block."
-            )
-        if closure is not None and self.policy.scales:
-            raise RuntimeError(
-                "Currently, Amp does not support closure use with optimizers. "
-                "(ampx: step(closure) cannot be combined with loss scaling; run the closure's "
-                "loss through ampx.scale_loss and call step() without a closure.)"
             )
         self._heal(optimizer)
         cache = self.cache(optimizer)
@@ -480,9 +477,22 @@ def _copy_masters(cache: ParamCache) -> BaseException | None:
             return exc
 
 
+def unwrap(optimizer: Any) -> Any:
+    """The optimizer ampx attached to, behind wrappers exposing it as `.optimizer` (Lightning's
+    `LightningOptimizer`, Accelerate's `AcceleratedOptimizer`); anything else unchanged."""
+    obj = optimizer
+    for _ in range(8):  # a bound on wrapper depth (and on a cycle)
+        if ATTR in getattr(obj, "__dict__", {}):
+            return obj
+        obj = getattr(obj, "optimizer", None)
+        if obj is None:
+            break
+    return optimizer
+
+
 def amp_state_of(optimizer: Any) -> OptimizerAmpState | None:
-    """The ampx state of an optimizer, or None if it never went through initialize."""
-    return getattr(optimizer, ATTR, None)
+    """The ampx state of an optimizer (or of a wrapper's), or None without initialize."""
+    return getattr(unwrap(optimizer), ATTR, None)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -492,6 +502,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     unscaled gradients. Half parameters added with `add_param_group` after initialize get
     their masters here at the latest.
     """
+    optimizer = unwrap(optimizer)  # a LightningOptimizer / AcceleratedOptimizer
     state = amp_state_of(optimizer)
     if state is not None:
         state.cache(optimizer)

@@ -16,6 +16,9 @@ counting steps.
   see). Fused torch optimizers that take the device flag (`_step_supports_amp_scaling`)
   receive it as `optimizer.found_inf` (as `torch.amp.GradScaler` hands it) and skip inside
   their kernel, so their steps never sync with the host.
+- `step(closure)` under loss scaling: the pre-hook runs the closure first (forward and scaled
+  backward, as torch's precision plugins do for GradScaler), decides on its overflow flag, and
+  the optimizer's own step (or the stand-in's) receives a closure returning that result.
 - The post-hook commits the step (`after_step`): the O2 master -> model copy and counters.
 - `zero_grad` gets a small instance-level handler (the class's method is untouched): it runs
   the optimizer's own `zero_grad`, then `OptimizerAmpState.zero_grad` (at O2 the half model
@@ -33,7 +36,7 @@ import torch
 from ..o1 import suspend
 from .apex_stash import METHOD_NAMES
 from .masters import MasterMap
-from .protocol import ATTR, OptimizerAmpState, SessionHooks, amp_state_of
+from .protocol import ATTR, OptimizerAmpState, SessionHooks, Stage, amp_state_of
 
 __all__ = ["attach", "check_optimizers", "detach"]
 
@@ -169,6 +172,10 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
     for name in _FUSED_ATTRS:  # left over from a fused step that raised
         vars(optimizer).pop(name, None)
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
+    ran = closure is not None and state.policy.scales and state.stage not in (
+        Stage.SCALING, Stage.SCALED)  # (decide_step refuses those stages)
+    if ran:  # the closure first, then the decision on its flag; the step gets its result
+        args, kwargs = _with_closure(args, kwargs, _Evaluated(_run_closure(optimizer, closure)))
     decision = state.decide_step(optimizer, closure)
     if decision.skip:
         return (_standin(optimizer), *args[1:]), kwargs
@@ -177,7 +184,50 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
     if decision.flag is not None:
         optimizer.grad_scale = None  # type: ignore[attr-defined]  # already unscaled
         optimizer.found_inf = decision.flag.reshape(())  # type: ignore[attr-defined]
-    return None
+    return (args, kwargs) if ran else None
+
+
+def _run_closure(optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+    """Run `step`'s closure (forward + scaled backward) under grad mode, as `step` would.
+
+    As torch's precision plugins do for GradScaler; if it raises, nothing was decided.
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise RuntimeError(
+            "optimizer.step(closure): LBFGS evaluates its closure again inside step(), where "
+            "ampx cannot check those gradients for inf/NaN; train LBFGS at opt_level='O0' "
+            "(torch.amp's GradScaler refuses closures too).")
+    with torch.enable_grad():
+        return closure()
+
+
+class _Evaluated:
+    """The closure handed to the optimizer's own step after ampx ran the real one.
+
+    Returns the real closure's result once (what `step` returns, as without ampx). A second
+    call means the optimizer re-evaluates inside its step (a line search): those gradients
+    would escape the overflow check, so it raises instead of silently reusing the first.
+    """
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+        self.calls = 0
+
+    def __call__(self) -> Any:
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError(
+                "optimizer.step(closure): this optimizer calls its closure more than once per "
+                "step; under loss scaling ampx runs the closure once, before the step. Use "
+                "opt_level='O0' for optimizers that re-evaluate the loss inside step().")
+        return self.result
+
+
+def _with_closure(args: tuple, kwargs: dict, closure: Any) -> tuple[tuple, dict]:
+    """`step`'s (args, kwargs) with the closure argument replaced."""
+    if len(args) > 1:
+        return (args[0], closure, *args[2:]), kwargs
+    return args, dict(kwargs, closure=closure)
 
 
 def _step_post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

@@ -2,6 +2,7 @@
 
     python -m examples.fairseq_style.train --arch mlp --optimizer adam \
         --opt-level O2 --amp-dtype fp16 --update-freq 4 --clip-norm 1.0 --max-update 50
+    python examples/fairseq_style/train.py ...       # as a file: the same (also under ampx run)
     torchrun --nproc_per_node 2 -m examples.fairseq_style.train --distributed-world-size 2 ...
 """
 
@@ -16,6 +17,13 @@ import torch
 import torch.distributed as dist
 
 from ampx.options.flags import add_args as add_ampx_args
+
+if not __package__:  # run as a file (`python .../train.py`, `ampx run .../train.py`), not with -m
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+    __package__ = "examples.fairseq_style"  # so the relative imports below resolve
 
 from . import models, optimizers  # noqa: F401  (register the built-in components)
 from .registry import MODEL_REGISTRY, OPTIMIZER_REGISTRY

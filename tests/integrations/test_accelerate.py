@@ -1,0 +1,141 @@
+"""`ampx.integrations.accelerate.prepare`: ampx under HF Accelerate (CPU, one process)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import ampx
+from ampx import frontend
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+from ampx.integrations.accelerate import prepare  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    """Accelerate keeps one process-wide state; each test makes its own Accelerator."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(40, 8, generator=g), torch.randint(0, 4, (40,), generator=g))
+    return DataLoader(data, batch_size=8, shuffle=False)
+
+
+def setup(level: str = "O2", dtype: str = "fp16") -> tuple[Any, ...]:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    accelerator = accelerate.Accelerator(cpu=True)
+    return (accelerator, *prepare(accelerator, model, opt, sched, loader(), opt_level=level,
+                                  dtype=dtype))
+
+
+def train(accelerator: Any, model: nn.Module, opt: Any, sched: Any, data: Any,
+          overflow_at: int | None = None) -> list[tuple[bool, float]]:
+    """Per step: (accelerator.optimizer_step_was_skipped, the scheduler's LR after it)."""
+    out = []
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+        if i == overflow_at:
+            loss = loss * float("inf")
+        with ampx.scale_loss(loss, opt) as scaled:  # the AcceleratedOptimizer itself
+            accelerator.backward(scaled)
+        opt.step()
+        sched.step()
+        out.append((accelerator.optimizer_step_was_skipped, sched.get_last_lr()[0]))
+    return out
+
+
+def weights(model: nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in model.state_dict().values()]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_skipped_step_is_reported_and_does_not_step_the_scheduler(level: str) -> None:
+    accelerator, model, opt, sched, data = setup(level)
+    assert type(opt).__name__ == "AmpxAcceleratedOptimizer" and opt.optimizer._ampx
+    steps = train(accelerator, model, opt, sched, data, overflow_at=2)
+    assert [skipped for skipped, _ in steps] == [False, False, True, False, False]
+    lrs = [lr for _, lr in steps]
+    assert lrs == [0.05, 0.025, 0.025, 0.0125, 0.00625]  # unchanged on the skipped step
+    assert ampx.step_was_skipped(opt) is False and opt.optimizer._ampx.skipped_steps == 1
+
+
+def test_training_matches_the_hand_written_loop() -> None:
+    accelerator, model, opt, sched, data = setup("O2", "bf16")
+    train(accelerator, model, opt, sched, data)
+    got = weights(model)
+    ampx.restore()
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt = ampx.initialize(model, opt, opt_level="O2", dtype="bf16", verbosity=0)
+    for x, y in loader():
+        opt.zero_grad()
+        with ampx.scale_loss(nn.functional.cross_entropy(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        sched.step()
+    assert all(torch.equal(a, b) for a, b in zip(got, weights(model)))
+
+
+def test_accelerated_optimizer_is_accepted_everywhere() -> None:
+    accelerator, model, opt, sched, data = setup("O2")
+    assert ampx.master_params(opt) == ampx.master_params(opt.optimizer)
+    assert all(p.dtype == torch.float32 for p in ampx.master_params(opt))
+    train(accelerator, model, opt, sched, data, overflow_at=4)
+    assert ampx.step_was_skipped(opt)
+    assert ampx.last_overflow(opt) is ampx.last_overflow(opt.optimizer)
+
+
+def test_save_state_and_load_state_carry_the_loss_scaler(tmp_path: Path) -> None:
+    accelerator, model, opt, sched, data = setup("O2")
+    train(accelerator, model, opt, sched, data, overflow_at=0)
+    scale = frontend.default_session().loss_scale()
+    assert scale == 2.0**15  # one skip halved it
+    accelerator.save_state(tmp_path / "state")
+    want = weights(model)
+    ampx.restore()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+    torch.manual_seed(5)
+    accelerator, model, opt, sched, data = setup("O2")
+    assert frontend.default_session().loss_scale() == 2.0**16
+    accelerator.load_state(tmp_path / "state")
+    assert frontend.default_session().loss_scale() == scale
+    assert all(torch.equal(a, b) for a, b in zip(weights(model), want))
+
+
+@pytest.mark.parametrize("mixed", ["bf16", "fp16"])
+def test_accelerates_own_mixed_precision_is_refused(mixed: str) -> None:
+    model = mlp()
+    before = weights(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision=mixed)
+    with pytest.raises(ValueError, match="mixed_precision='no'"):
+        prepare(accelerator, model, opt, opt_level="O1", dtype="bf16")
+    assert frontend.default_session() is None and not hasattr(opt, "_ampx")
+    assert all(torch.equal(a, b) for a, b in zip(weights(model), before))
