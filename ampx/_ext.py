@@ -15,6 +15,11 @@ Loading is lazy and never compiles: the first call (or the first read of
 ``ampx build-ext`` fills. ``AMPX_DISABLE_EXT=1`` forces the reference. Nothing is
 printed or warned; the reason the reference is in use is kept in ``IMPORT_ERROR``
 and logged at debug level on the ``ampx`` logger.
+
+The first call with tensors on a CUDA device checks that the build has code for that
+device (its compiled architectures against the device's capability, then the CUDA
+runtime's own lookup of the kernel image); a device it cannot run gets the reference
+kernels and one ``RuntimeWarning`` instead of a "no kernel image" error at launch.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import logging
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -61,6 +67,8 @@ class _State:
         self.has_cuda = False
         self.path: Optional[str] = None
         self.error: Optional[str] = None
+        # CUDA device index -> why the native kernels cannot run there (None: they can)
+        self.cuda_problems: dict[int, Optional[str]] = {}
 
 
 _state = _State()
@@ -153,6 +161,42 @@ def _ensure_loaded() -> _State:
     return _state
 
 
+def _cuda_problem(native: ModuleType, index: int) -> Optional[str]:
+    """Why `native` cannot run on cuda:`index` (None when it can)."""
+    from . import _build
+
+    archs = str(native.cuda_archs()) if hasattr(native, "cuda_archs") else ""
+    major, minor = torch.cuda.get_device_capability(index)
+    if archs and not _build.arch_runs_on(archs, (major, minor)):
+        return (f"the extension has CUDA code for {archs.replace('_', ' ')} (sm numbers, "
+                f"p: PTX) but cuda:{index} is sm_{major}{minor}; rebuild with `ampx "
+                "build-ext` on this machine or set TORCH_CUDA_ARCH_LIST")
+    probe = str(native.cuda_probe(index)) if hasattr(native, "cuda_probe") else ""
+    if probe:
+        return f"the CUDA runtime cannot run the extension's kernels on cuda:{index}: {probe}"
+    return None
+
+
+def _cuda_usable(state: _State, device: torch.device) -> bool:
+    """Check once per device that the loaded CUDA kernels run there; warn if not."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in state.cuda_problems:
+        return state.cuda_problems[index] is None
+    with _lock:
+        if index not in state.cuda_problems:
+            assert state.native is not None
+            try:
+                problem = _cuda_problem(state.native, index)
+            except Exception as exc:  # a failed check must not break training
+                problem = f"checking cuda:{index} failed: {exc}"
+            state.cuda_problems[index] = problem
+            if problem is not None:
+                _log.debug("ampx: reference kernels on cuda:%d: %s", index, problem)
+                warnings.warn(f"ampx: {problem}; using the pure-torch reference kernels on "
+                              f"cuda:{index}", RuntimeWarning, stacklevel=4)
+    return state.cuda_problems[index] is None
+
+
 def _native_module() -> Optional[ModuleType]:
     """Return the loaded extension module, or None (for tests and benchmarks)."""
     return _ensure_loaded().native
@@ -161,9 +205,8 @@ def _native_module() -> Optional[ModuleType]:
 def _impl(device: torch.device) -> Any:
     state = _state if _state.loaded else _ensure_loaded()
     native = state.native
-    if native is not None and (
-        device.type == "cpu" or (device.type == "cuda" and state.has_cuda)
-    ):
+    if native is not None and (device.type == "cpu" or (
+            device.type == "cuda" and state.has_cuda and _cuda_usable(state, device))):
         return native
     return _reference
 
@@ -426,7 +469,10 @@ def describe() -> dict[str, Any]:
         A dict with ``backend`` (``"native"`` or ``"reference"``), ``import_error``
         (why the native kernels are not active, or None), ``extension_path``,
         ``cuda_kernels`` (whether the loaded extension has CUDA kernels),
-        ``cpu_capability`` (the instruction set it was compiled for), ``disabled_by_env``,
+        ``cuda_archs`` (the CUDA architectures compiled in, as
+        :func:`ampx._build.arch_token` writes them), ``cuda_unusable`` (CUDA devices
+        checked so far that the kernels cannot run on, and why), ``cpu_capability``
+        (the instruction set it was compiled for), ``disabled_by_env``,
         ``build_error`` (the compiler output of the last failed ``ampx build-ext`` for
         the current sources, or None), ``cache_dir``, ``torch_version`` and
         ``python_version``.
@@ -440,6 +486,10 @@ def describe() -> dict[str, Any]:
         "import_error": state.error,
         "extension_path": state.path,
         "cuda_kernels": state.has_cuda,
+        "cuda_archs": (str(native.cuda_archs()) or None)
+        if native is not None and hasattr(native, "cuda_archs") else None,
+        "cuda_unusable": {f"cuda:{i}": p for i, p in state.cuda_problems.items()
+                          if p is not None},
         "cpu_capability": str(native.cpu_capability()) if native is not None else None,
         "disabled_by_env": _disabled(),
         "build_error": _build.last_build_error(),

@@ -174,11 +174,14 @@ examples:
 _BUILD_EPILOG = """\
 Compiles ampx's native kernels (ampx/csrc) against the installed torch into a cache; later
 imports load them. Needs a C++ compiler ($CXX, default c++) and ninja (pip install
-'ampx[native]'). Without them ampx uses its pure-torch kernels.
+'ampx[native]'). Without them ampx uses its pure-torch kernels. CUDA kernels are added when
+torch has CUDA and nvcc is found (no GPU needed: TORCH_CUDA_ARCH_LIST, else the visible
+GPUs, else every architecture torch supports).
 
 examples:
   ampx build-ext --verbose
   ampx build-ext --skip-without-compiler    # exit 0 with a note where no compiler exists
+  ampx build-ext --require-cuda             # exit 1 unless the CUDA kernels are built
 """
 
 
@@ -301,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("-v", "--verbose", action="store_true", help="show the compiler output")
     build.add_argument("--skip-without-compiler", action="store_true",
                        help="exit 0 with a note instead of failing when no C++ compiler exists")
+    build.add_argument("--require-cuda", action="store_true",
+                       help="fail unless the CUDA kernels are built (no CPU-only fallback)")
     return parser
 
 
@@ -432,7 +437,7 @@ def _cmd_build_ext(args: argparse.Namespace) -> int:
               "uses its pure-torch kernels", file=sys.stderr)
         return 0
     try:
-        path = _build.build(verbose=args.verbose,
+        path = _build.build(verbose=args.verbose, require_cuda=args.require_cuda,
                             progress=lambda line: print(line, file=sys.stderr, flush=True))
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -441,5 +446,9 @@ def _cmd_build_ext(args: argparse.Namespace) -> int:
             print("ampx: rerun with --verbose for the compiler output; ampx keeps using its "
                   "pure-torch kernels", file=sys.stderr)
         return 1
-    print(f"built ampx._C: {path}")
+    note = ""
+    if "-cuda_" not in path.parent.name and _build.torch_has_cuda():
+        why_not = _build.cuda_why_not() or "the CUDA build failed (`ampx info` shows why)"
+        note = f" (CPU kernels only: {why_not}; --require-cuda makes this an error)"
+    print(f"built ampx._C: {path}{note}")
     return 0
