@@ -121,7 +121,7 @@ def _gpu_visible_without(monkeypatch: pytest.MonkeyPatch, describe: dict[str, An
     monkeypatch.setattr(_ext, "_disabled", lambda: False)
     monkeypatch.setattr(_ext, "_native_module", lambda: _reference)
     monkeypatch.setattr(_ext, "describe", lambda: describe)
-    monkeypatch.setattr(_ext, "_impl", lambda device: _ext._reference)
+    monkeypatch.setattr(_ext, "_impl", lambda device: "the reference")  # never the module
 
 
 def test_selftest_fails_when_a_gpu_is_visible_but_cuda_kernels_are_absent(
@@ -131,7 +131,6 @@ def test_selftest_fails_when_a_gpu_is_visible_but_cuda_kernels_are_absent(
     assert check.status == "FAIL"
     assert "a GPU is visible but the loaded extension has no CUDA kernels" in check.detail
     assert "ampx build-ext --require-cuda" in check.detail
-    assert selftest.kernel_check("cpu").status == "skip"  # the CPU has no such expectation
     assert selftest.format_report([check]).endswith("FAIL: 1 of 1 checks failed")
 
 
