@@ -389,6 +389,10 @@ def l2norm(
     flat = [f if f is not None else t.contiguous().view(-1)
             for t, f in zip(flat, (_flat(t) for t in flat))]
     groups = _by_device(flat)
+    if len(groups) == 1:  # no index tensors: nothing copied from the host (graph capture)
+        impl = _impl(flat[0].device)
+        total, each = impl.l2norm(flat, True)
+        return (total, each) if per_tensor else total
     first = flat[0].device
     totals: list[torch.Tensor] = []
     norms = torch.zeros(len(flat), dtype=torch.float32, device=first)

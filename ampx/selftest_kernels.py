@@ -276,10 +276,12 @@ def compare_batching(backend: Any, device: torch.device, limits: dict[str, int],
         cases, mismatches = cases + count, mismatches + bad
     if device.type == "cuda":
         src = [torch.randn(n, generator=generator).to(device) for n in (3, limits["chunk"] + 1)]
-        with torch.cuda.stream(torch.cuda.Stream(device)):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))  # src was written on this one
+        with torch.cuda.stream(side):
             count, bad = _compare_list(backend, src, "side stream")
-            torch.cuda.current_stream(device).synchronize()
-        cases, mismatches = cases + count + 1, mismatches + bad
+            side.synchronize()
+        cases, mismatches = cases + count + 1, mismatches + bad  # + 1: the graph case
         if not _run_bool(lambda: _graph_case(backend, device, generator)):
             mismatches.append("CUDA graph capture")
         if huge is None:

@@ -21,7 +21,7 @@
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
-OUT=${OUT:-$ROOT/gpu-check-out}
+OUT=${OUT:-${TMPDIR:-/tmp}/ampx-gpu-check}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

@@ -339,3 +339,20 @@ def test_find_built_prefers_the_widest_cuda_build(
     assert _build.find_built() == narrow  # the one asked for
     (cache / narrow.parent.name / _build.BUILD_ERROR_FILE).write_text("nvcc exploded\n")
     assert _build.last_build_error() == "nvcc exploded\n"
+
+
+def test_build_ext_says_when_a_cuda_torch_got_cpu_kernels_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    built = tmp_path / "torch2_cu130-py311-avx2-cpu-0123" / "ampx_C_x.so"
+    monkeypatch.setattr(_build, "missing_compiler", lambda: None)
+    monkeypatch.setattr(_build, "build", lambda **kwargs: built)
+    monkeypatch.setattr(_build, "torch_has_cuda", lambda: True)
+    monkeypatch.setattr(_build, "cuda_why_not", lambda: "nvcc not found in PATH")
+    assert cli.main(["build-ext"]) == 0
+    out = capsys.readouterr().out
+    assert out == (f"built ampx._C: {built} (CPU kernels only: nvcc not found in PATH; "
+                   "--require-cuda makes this an error)\n")
+    monkeypatch.setattr(_build, "torch_has_cuda", lambda: False)  # a CPU torch: nothing to say
+    assert cli.main(["build-ext"]) == 0
+    assert capsys.readouterr().out == f"built ampx._C: {built}\n"
