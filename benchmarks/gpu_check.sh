@@ -44,7 +44,11 @@ step() {
     [ "$limit" -le "$left" ] || limit=$left
     echo "== $name: $*" | tee "$OUT/$name.log"
     start=$(date +%s)
-    timeout "$limit" "$@" >> "$OUT/$name.log" 2>&1
+    if declare -F "$1" > /dev/null; then  # a function of this script (timeout cannot run it)
+        "$@" >> "$OUT/$name.log" 2>&1
+    else
+        timeout "$limit" "$@" >> "$OUT/$name.log" 2>&1
+    fi
     rc=$?
     tail -n 40 "$OUT/$name.log"
     echo "$name: rc=$rc, $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
@@ -52,8 +56,8 @@ step() {
 }
 
 env_report() {
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || true
-    "$PY" - <<'EOF'
+    timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
+    timeout 60 "$PY" - <<'EOF'
 import shutil, sys, torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
 print("gpus", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
