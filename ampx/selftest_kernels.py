@@ -17,6 +17,7 @@ of more than 2**31 elements.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
@@ -219,6 +220,18 @@ def _unaligned(sizes: list[int], dtype: torch.dtype, device: torch.device,
             for n in sizes]
 
 
+def _unaligned_in_place(backend: Any, src: list[torch.Tensor]) -> bool:
+    """unscale_ on the unaligned views themselves (the list cases unscale aligned clones)."""
+    out = []
+    for impl in (_reference, backend):
+        grads = [t.new_empty(t.numel() + 1)[1:].copy_(t) for t in src]
+        inv, found, per = _flags(src[0].device, len(src))
+        impl.unscale_(grads, inv, found, per)
+        out.append((grads, found, per))
+    (g1, f1, p1), (g2, f2, p2) = out
+    return all(_same(a, b) for a, b in zip(g1, g2)) and _same(f1, f2) and _same(p1, p2)
+
+
 def _graph_case(backend: Any, device: torch.device, generator: torch.Generator) -> bool:
     """unscale_ and l2norm captured in a CUDA graph and replayed match the reference."""
     src = [torch.randn(n, generator=generator).to(device) for n in (5, 70001, 3)]
@@ -273,7 +286,9 @@ def compare_batching(backend: Any, device: torch.device, limits: dict[str, int],
         src = _unaligned([limits["chunk"] + 3, 17], dtype, device, generator)
         _spread_nonfinite(src, limits["chunk"] + 1)
         count, bad = _compare_list(backend, src, f"unaligned views, {_short(dtype)}")
-        cases, mismatches = cases + count, mismatches + bad
+        cases, mismatches = cases + count + 1, mismatches + bad
+        if not _run_bool(functools.partial(_unaligned_in_place, backend, src)):
+            mismatches.append(f"unscale_[unaligned views in place, {_short(dtype)}]")
     if device.type == "cuda":
         src = [torch.randn(n, generator=generator).to(device) for n in (3, limits["chunk"] + 1)]
         side = torch.cuda.Stream(device)
