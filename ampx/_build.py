@@ -22,6 +22,8 @@ This module uses no relative imports so that ``setup.py`` can load it by path
 from __future__ import annotations
 
 import hashlib
+import importlib
+import importlib.util
 import logging
 import os
 import shlex
@@ -33,18 +35,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 __all__ = [
-    "arch_runs_on",
     "build",
     "build_flags",
     "cache_dir",
     "cpu_capability",
-    "cuda_arch_list",
-    "cuda_home",
-    "cuda_link_flags",
     "cuda_wanted",
-    "cuda_why_not",
     "find_built",
     "find_compiler",
     "missing_compiler",
@@ -118,195 +116,31 @@ def cpu_capability() -> str:
     return "DEFAULT"
 
 
-def _pip_cuda_homes() -> list[Path]:
-    """CUDA homes that pip's ``nvidia-cuda-nvcc`` wheels install (``nvidia/cu13``, ...)."""
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec("nvidia")
-    except (ImportError, ValueError):
-        return []
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    return sorted((h for r in roots for h in Path(r).glob("cu[0-9]*")), reverse=True)
-
-
-def _toolkit(home: Path) -> bool:
-    return (home / "bin" / "nvcc").is_file() and (home / "include" / "cuda_runtime.h").is_file()
+def _load_cuda_helpers() -> ModuleType:
+    """``ampx._build_cuda``; loaded by path when this module was too (setup.py, no package)."""
+    if __package__:
+        return importlib.import_module(f"{__package__}._build_cuda")
+    path = Path(__file__).with_name("_build_cuda.py")
+    spec = importlib.util.spec_from_file_location("_ampx_build_cuda", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def cuda_home() -> Path | None:
-    """Return the CUDA toolkit directory (``bin/nvcc`` and ``include/cuda_runtime.h``), or None.
-
-    ``$CUDA_HOME``/``$CUDA_PATH`` when set (and only it), else the directory above the
-    ``nvcc`` on ``PATH`` (through symlinks), else pip's ``nvidia/cu*`` packages (which
-    match a pip-installed CUDA torch), else ``/usr/local/cuda``. A directory without the
-    headers (``/usr/local`` for a ``/usr/local/bin/nvcc`` wrapper script) is passed over.
-    """
-    explicit = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if explicit:
-        return Path(explicit) if _toolkit(Path(explicit)) else None
-    found = shutil.which("nvcc")
-    candidates = [Path(found).resolve().parent.parent] if found else []
-    candidates += [*_pip_cuda_homes(), Path("/usr/local/cuda")]
-    return next((h for h in candidates if _toolkit(h)), None)
-
-
-def _nvcc() -> str | None:
-    home = cuda_home()
-    return str(home / "bin" / "nvcc") if home is not None else None
-
-
-def torch_has_cuda() -> bool:
-    """Whether the installed torch is a CUDA build (a GPU need not be present)."""
-    import torch
-
-    return torch.version.cuda is not None
-
-
-def cuda_why_not() -> str | None:
-    """Return why the CUDA kernels cannot be compiled here, or None when they can."""
-    import torch
-
-    if torch.version.cuda is None:
-        return f"this torch ({torch.__version__}) is built without CUDA"
-    if _nvcc() is None:
-        if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
-            where = "$CUDA_HOME/bin (CUDA_HOME is set, so only there)"
-        else:
-            where = "PATH, pip's nvidia-cuda-nvcc package or /usr/local/cuda"
-        return (f"nvcc not found in {where}; install the CUDA {torch.version.cuda} toolkit "
-                f"(e.g. `pip install 'cuda-toolkit[nvcc,cccl]=={torch.version.cuda}.*'`) "
-                "or set CUDA_HOME")
-    return None
+_cuda = _load_cuda_helpers()
+# The CUDA toolkit and architecture helpers, re-exported (callers and tests use _build.*).
+arch_runs_on, arch_token, cuda_arch_list = (_cuda.arch_runs_on, _cuda.arch_token,
+                                            _cuda.cuda_arch_list)
+cuda_home, cuda_link_flags, gencode_flags = (_cuda.cuda_home, _cuda.cuda_link_flags,
+                                             _cuda.gencode_flags)
+torch_has_cuda, cuda_why_not, _nvcc = _cuda.torch_has_cuda, _cuda.cuda_why_not, _cuda.nvcc
+_cuda_home_for_torch = _cuda.cuda_home_for_torch
 
 
 def cuda_wanted() -> bool:
     """Return whether to compile the CUDA kernels: torch has CUDA and nvcc exists."""
     return cuda_why_not() is None
-
-
-def _parse_arch(arch: str) -> tuple[int, int, str, bool]:
-    """``"9.0a+PTX"`` -> (9, 0, "a", True)."""
-    body, ptx = (arch[:-4], True) if arch.upper().endswith("+PTX") else (arch, False)
-    suffix = body[-1] if body and body[-1].isalpha() else ""
-    major, _, minor = body.rstrip(suffix).partition(".")
-    if not (major.isdigit() and minor.isdigit() and len(minor) == 1):
-        raise ValueError(f"cannot read CUDA architecture {arch!r}; expected e.g. 8.0, 9.0a "
-                         "or 9.0+PTX (set TORCH_CUDA_ARCH_LIST accordingly)")
-    return int(major), int(minor), suffix, ptx
-
-
-def cuda_arch_list() -> list[str]:
-    """Return the CUDA architectures to compile for, in torch's notation (``"9.0+PTX"``).
-
-    ``$TORCH_CUDA_ARCH_LIST`` (``;`` or space separated) when set and not ``native``;
-    else the visible GPUs' capabilities (capped at the newest this torch supports); else,
-    with no GPU visible, every ``sm_*`` of ``torch.cuda.get_arch_list()``. The newest
-    gets ``+PTX`` in the last two cases, so newer GPUs can still JIT the kernels.
-    """
-    import torch
-
-    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
-    if env and env != "native":
-        archs = [a for a in env.replace(" ", ";").split(";") if a]
-        for arch in archs:
-            _parse_arch(arch)
-        return archs
-    built = sorted((int(a[3:-1]), int(a[-1])) for a in torch.cuda.get_arch_list()
-                   if a.startswith("sm_") and a[3:].isdigit())
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        newest = built[-1] if built else (99, 9)
-        caps = sorted({min(torch.cuda.get_device_capability(i), newest)
-                       for i in range(torch.cuda.device_count())})
-    else:
-        caps = built
-    if not caps:
-        raise RuntimeError("ampx build-ext: no GPU is visible and this torch lists no CUDA "
-                           "architectures; set TORCH_CUDA_ARCH_LIST (e.g. '9.0')")
-    archs = [f"{major}.{minor}" for major, minor in caps]
-    archs[-1] += "+PTX"
-    return archs
-
-
-def arch_token(archs: list[str]) -> str:
-    """The arch list as one word for cache keys and ``-D``: ``["8.0", "9.0+PTX"]`` -> ``80_90p``."""
-    words = []
-    for arch in archs:
-        major, minor, suffix, ptx = _parse_arch(arch)
-        words.append(f"{major}{minor}{suffix}{'p' if ptx else ''}")
-    return "_".join(words)
-
-
-def _token_archs(token: str) -> list[tuple[int, int, str, bool]]:
-    out = []
-    for word in token.split("_"):
-        ptx = word.endswith("p")
-        word = word[:-1] if ptx else word
-        suffix = word[-1] if word and word[-1].isalpha() else ""
-        digits = word.rstrip(suffix)
-        if digits.isdigit() and len(digits) >= 2:
-            out.append((int(digits[:-1]), int(digits[-1]), suffix, ptx))
-    return out
-
-
-def arch_runs_on(token: str, capability: tuple[int, int]) -> bool:
-    """Whether a build for ``token`` (:func:`arch_token`) has code a GPU of ``capability`` runs.
-
-    An ``sm_XY`` binary runs on X.Y and later minor versions of the same major (an
-    ``a`` variant only on X.Y exactly); PTX for X.Y is JIT-compiled on X.Y and anything newer.
-    """
-    for major, minor, suffix, ptx in _token_archs(token):
-        if suffix and (major, minor) != tuple(capability):
-            continue
-        if major == capability[0] and minor <= capability[1]:
-            return True
-        if ptx and (major, minor) <= tuple(capability):
-            return True
-    return False
-
-
-def cuda_link_flags(work: Path) -> list[str]:
-    """Linker flags that make torch's ``-lcudart`` resolve against pip's CUDA runtime.
-
-    pip's ``nvidia-cuda-runtime`` ships only ``libcudart.so.13`` (no ``libcudart.so``
-    link), so a ``libcudart.so`` symlink is made in ``work/cudart`` and searched first.
-    Empty when the toolkit has its own link or none is found.
-    """
-    home = cuda_home()
-    if home is None or sys.platform == "win32":
-        return []
-    libs = [home / d for d in ("lib64", "lib") if (home / d).is_dir()]
-    if any((d / "libcudart.so").exists() for d in libs):
-        return []
-    versioned = sorted(p for d in libs for p in d.glob("libcudart.so.[0-9]*"))
-    if not versioned:
-        return []
-    link_dir = work / "cudart"
-    link_dir.mkdir(parents=True, exist_ok=True)
-    link = link_dir / "libcudart.so"
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(versioned[0])
-    return [f"-L{link_dir}"]
-
-
-@contextmanager
-def _cuda_home_for_torch(home: Path | None) -> Iterator[None]:
-    """Point torch's builder (which reads CUDA_HOME once, at import) at ``home``."""
-    from torch.utils import cpp_extension
-
-    old_env, old_attr = os.environ.get("CUDA_HOME"), cpp_extension.CUDA_HOME
-    if home is not None:
-        os.environ["CUDA_HOME"] = str(home)
-        cpp_extension.CUDA_HOME = str(home)
-    try:
-        yield
-    finally:
-        cpp_extension.CUDA_HOME = old_attr
-        if old_env is None:
-            os.environ.pop("CUDA_HOME", None)
-        else:
-            os.environ["CUDA_HOME"] = old_env
 
 
 def find_compiler() -> tuple[str, str | None]:
@@ -432,14 +266,7 @@ def build_flags(cap: str, archs: list[str] | None) -> tuple[list[str], list[str]
     if not archs:
         return cflags, [], ldflags
     defines = ["-DAMPX_WITH_CUDA", f"-DAMPX_CUDA_ARCHS={arch_token(archs)}"]
-    cuda_cflags = ["-O3", "--fmad=false", *defines]
-    for arch in archs:
-        major, minor, suffix, ptx = _parse_arch(arch)
-        num = f"{major}{minor}{suffix}"
-        cuda_cflags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
-        if ptx:
-            cuda_cflags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
-    return cflags + defines, cuda_cflags, ldflags
+    return cflags + defines, ["-O3", "--fmad=false", *defines, *gencode_flags(archs)], ldflags
 
 
 def _ext_suffix() -> str:
@@ -575,10 +402,9 @@ def build(
 ) -> Path:
     """Compile ``ampx/csrc/`` against the installed torch and return the built module's path.
 
-    A cached build for the same key is reused (ninja rebuilds nothing). CUDA kernels
-    are included when :func:`cuda_wanted` is true; if that build fails, the CPU-only
-    build is tried (unless ``require_cuda``) and the CUDA error stays in the cache for
-    ``ampx info``.
+    A cached build for the same key is reused (ninja rebuilds nothing). CUDA kernels are
+    included when :func:`cuda_wanted`; if that build fails, the CPU-only build is tried
+    (unless ``require_cuda``), the CUDA error kept in the cache for ``ampx info``.
 
     Args:
         verbose: Show the compiler command lines and output.

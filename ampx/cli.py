@@ -175,8 +175,7 @@ _BUILD_EPILOG = """\
 Compiles ampx's native kernels (ampx/csrc) against the installed torch into a cache; later
 imports load them. Needs a C++ compiler ($CXX, default c++) and ninja (pip install
 'ampx[native]'). Without them ampx uses its pure-torch kernels. CUDA kernels are added when
-torch has CUDA and nvcc is found (no GPU needed: TORCH_CUDA_ARCH_LIST, else the visible
-GPUs, else every architecture torch supports).
+torch has CUDA and nvcc is found (no GPU needed).
 
 examples:
   ampx build-ext --verbose
@@ -304,8 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("-v", "--verbose", action="store_true", help="show the compiler output")
     build.add_argument("--skip-without-compiler", action="store_true",
                        help="exit 0 with a note instead of failing when no C++ compiler exists")
-    build.add_argument("--require-cuda", action="store_true",
-                       help="fail unless the CUDA kernels are built (no CPU-only fallback)")
+    build.add_argument("--require-cuda", action="store_true", help="fail without CUDA kernels")
     return parser
 
 
@@ -429,7 +427,7 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
 # -- ampx build-ext ------------------------------------------------------------------------------
 
 def _cmd_build_ext(args: argparse.Namespace) -> int:
-    from . import _build
+    from . import _build, _build_cuda
 
     missing = _build.missing_compiler()
     if missing is not None and args.skip_without_compiler:
@@ -437,12 +435,9 @@ def _cmd_build_ext(args: argparse.Namespace) -> int:
               "uses its pure-torch kernels", file=sys.stderr)
         return 0
     try:
-        def progress(line: str) -> None:
-            print(line, file=sys.stderr, flush=True)
-
-        # require_cuda only when asked: tests/test_cli.py stubs build() without it
-        path = (_build.build(verbose=args.verbose, progress=progress, require_cuda=True)
-                if args.require_cuda else _build.build(verbose=args.verbose, progress=progress))
+        extra: dict[str, Any] = {"require_cuda": True} if args.require_cuda else {}
+        path = _build.build(verbose=args.verbose, **extra,  # test_cli stubs build() without it
+                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"ampx: build failed: {first}", file=sys.stderr)
@@ -450,9 +445,5 @@ def _cmd_build_ext(args: argparse.Namespace) -> int:
             print("ampx: rerun with --verbose for the compiler output; ampx keeps using its "
                   "pure-torch kernels", file=sys.stderr)
         return 1
-    note = ""
-    if "-cuda_" not in path.parent.name and _build.torch_has_cuda():
-        why_not = _build.cuda_why_not() or "the CUDA build failed (`ampx info` shows why)"
-        note = f" (CPU kernels only: {why_not}; --require-cuda makes this an error)"
-    print(f"built ampx._C: {path}{note}")
+    print(f"built ampx._C: {path}{_build_cuda.cpu_only_note(path)}")
     return 0

@@ -281,7 +281,7 @@ def test_cuda_home_needs_headers_and_names_what_is_missing(
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setenv("PATH", str(wrapper))
-    monkeypatch.setattr(_build, "_pip_cuda_homes", lambda: [])
+    monkeypatch.setattr(_build._cuda, "_pip_cuda_homes", lambda: [])
     found = _build.cuda_home()
     assert found is None or found == Path("/usr/local/cuda")
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "nowhere"))
@@ -347,12 +347,12 @@ def test_build_ext_says_when_a_cuda_torch_got_cpu_kernels_only(
     built = tmp_path / "torch2_cu130-py311-avx2-cpu-0123" / "ampx_C_x.so"
     monkeypatch.setattr(_build, "missing_compiler", lambda: None)
     monkeypatch.setattr(_build, "build", lambda **kwargs: built)
-    monkeypatch.setattr(_build, "torch_has_cuda", lambda: True)
-    monkeypatch.setattr(_build, "cuda_why_not", lambda: "nvcc not found in PATH")
+    monkeypatch.setattr(_build._cuda, "torch_has_cuda", lambda: True)
+    monkeypatch.setattr(_build._cuda, "cuda_why_not", lambda: "nvcc not found in PATH")
     assert cli.main(["build-ext"]) == 0
     out = capsys.readouterr().out
     assert out == (f"built ampx._C: {built} (CPU kernels only: nvcc not found in PATH; "
                    "--require-cuda makes this an error)\n")
-    monkeypatch.setattr(_build, "torch_has_cuda", lambda: False)  # a CPU torch: nothing to say
+    monkeypatch.setattr(_build._cuda, "torch_has_cuda", lambda: False)  # a CPU torch: no note
     assert cli.main(["build-ext"]) == 0
     assert capsys.readouterr().out == f"built ampx._C: {built}\n"

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ampx import _build, _ext
+from ampx._build_cuda import device_problem
 
 pytestmark = pytest.mark.slow
 
@@ -69,10 +70,10 @@ def test_the_loaded_build_checks_the_device_capability(
         cuda_build: tuple[Path, str], monkeypatch: pytest.MonkeyPatch) -> None:
     module = _ext._load_from_path(cuda_build[0])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
-    problem = _ext._cuda_problem(module, 0)  # an sm_90 build on an A100
+    problem = device_problem(module, 0)  # an sm_90 build on an A100
     assert problem is not None and "cuda:0 is sm_80" in problem
     if not torch.cuda.is_available():
         return
     monkeypatch.undo()
     if torch.cuda.get_device_capability(0) >= (9, 0):
-        assert _ext._cuda_problem(module, 0) is None
+        assert device_problem(module, 0) is None
