@@ -22,7 +22,6 @@ This module uses no relative imports so that ``setup.py`` can load it by path
 from __future__ import annotations
 
 import hashlib
-import importlib
 import importlib.util
 import logging
 import os
@@ -117,9 +116,7 @@ def cpu_capability() -> str:
 
 
 def _load_cuda_helpers() -> ModuleType:
-    """``ampx._build_cuda``; loaded by path when this module was too (setup.py, no package)."""
-    if __package__:
-        return importlib.import_module(f"{__package__}._build_cuda")
+    """``_build_cuda.py`` loaded by path, as setup.py loads this module (no ampx package)."""
     path = Path(__file__).with_name("_build_cuda.py")
     spec = importlib.util.spec_from_file_location("_ampx_build_cuda", path)
     assert spec is not None and spec.loader is not None
@@ -128,7 +125,10 @@ def _load_cuda_helpers() -> ModuleType:
     return module
 
 
-_cuda = _load_cuda_helpers()
+if __package__:
+    from . import _build_cuda as _cuda
+else:
+    _cuda = _load_cuda_helpers()
 # The CUDA toolkit and architecture helpers, re-exported (callers and tests use _build.*).
 arch_runs_on, arch_token, cuda_arch_list = (_cuda.arch_runs_on, _cuda.arch_token,
                                             _cuda.cuda_arch_list)
