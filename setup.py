@@ -4,6 +4,11 @@ All metadata lives in pyproject.toml; this file only adds ``ext_modules`` when a
 
     AMPX_BUILD_EXT=1 pip install -v --no-build-isolation .      # try; fall back to pure torch
     AMPX_BUILD_EXT=require pip install -v --no-build-isolation .  # fail if it does not compile
+    AMPX_BUILD_EXT=require-cuda pip install -v --no-build-isolation .  # ... or lacks CUDA
+
+With a CUDA torch and nvcc the CUDA kernels are compiled too (no GPU needed: the
+architectures come from ampx/_build.py's cuda_arch_list); if only they fail, ``1``
+installs a CPU-only ``ampx._C`` instead of none.
 
 ``--no-build-isolation`` makes the build see the installed torch, which the extension
 must match; ``-v`` lets pip show the compiler's progress (pip hides a build's output
@@ -40,16 +45,36 @@ def _load_build_module() -> Any:
     return module
 
 
+def _cpu_only(ext: Any) -> None:
+    """Strip the CUDA parts from a CUDAExtension, for the CPU-only retry."""
+    ext.sources = [src for src in ext.sources if not src.endswith(".cu")]
+    ext.extra_compile_args.pop("nvcc", None)
+    ext.extra_compile_args["cxx"] = [f for f in ext.extra_compile_args["cxx"]
+                                     if not f.startswith(("-DAMPX_WITH_CUDA", "-DAMPX_CUDA_ARCHS"))]
+    ext.libraries = [lib for lib in ext.libraries
+                     if lib not in ("cudart", "c10_cuda", "torch_cuda")]
+
+
 def _extension_kwargs() -> dict[str, Any]:
     if FLAG in ("", "0", "false", "no", "off"):
         return {}
-    required = FLAG == "require"
+    required = FLAG in ("require", "require-cuda")
+    build = _load_build_module()
+    why_not = build.cuda_why_not()
+    if FLAG == "require-cuda" and why_not is not None:
+        raise SystemExit(f"ampx: AMPX_BUILD_EXT=require-cuda but the CUDA kernels cannot be "
+                         f"built: {why_not}")
+    cuda = why_not is None
+    home = build.cuda_home() if cuda else None
+    if home is not None:  # torch's builder reads CUDA_HOME once, when first imported
+        os.environ.setdefault("CUDA_HOME", str(home))
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
-    build = _load_build_module()
     cap = build.cpu_capability()
-    cuda = build.cuda_wanted()
-    cflags, cuda_cflags, ldflags = build.build_flags(cap, cuda)
+    archs = build.cuda_arch_list() if cuda else None
+    cflags, cuda_cflags, ldflags = build.build_flags(cap, archs)
+    if cuda:
+        ldflags = build.cuda_link_flags(ROOT / "build" / "ampx-link") + ldflags
     csrc = ROOT / "ampx" / "csrc"
     sources = [str(p.relative_to(ROOT)) for p in build.source_files(csrc) if p.suffix == ".cpp"]
     extra_compile_args: dict[str, list[str]] = {"cxx": cflags}
@@ -62,20 +87,38 @@ def _extension_kwargs() -> dict[str, Any]:
         factory = CUDAExtension
 
     class OptionalBuildExtension(BuildExtension):  # type: ignore[misc]
-        """A failed compile still installs (pure torch), unless AMPX_BUILD_EXT=require."""
+        """A failed compile still installs: CPU-only after a CUDA failure, else pure torch.
+
+        AMPX_BUILD_EXT=require makes a missing ``ampx._C`` an error; require-cuda also a
+        CUDA build failure.
+        """
 
         def build_extension(self, ext: Any) -> None:
-            print(f"ampx: compiling {ext.name} from {len(ext.sources)} sources (about a minute "
-                  "on 2 cores; `pip install -v` shows each step)", file=sys.stderr, flush=True)
+            kind = f"CPU and CUDA ({';'.join(archs)})" if archs else "CPU"
+            print(f"ampx: compiling {ext.name} from {len(ext.sources)} sources, {kind} kernels "
+                  "(a minute or more; `pip install -v` shows each step)", file=sys.stderr,
+                  flush=True)
+            try:
+                super().build_extension(ext)
+                return
+            except Exception as exc:
+                if FLAG == "require-cuda" or (required and not cuda):
+                    raise
+                if not cuda:
+                    log.warning(
+                        "ampx: building %s failed; installing without it (the pure-torch "
+                        "kernels are used; `ampx info` reports this). Error: %s", ext.name, exc)
+                    return
+                log.warning("ampx: the CUDA build of %s failed; building the CPU kernels "
+                            "only. Error: %s", ext.name, exc)
+            _cpu_only(ext)
             try:
                 super().build_extension(ext)
             except Exception as exc:
                 if required:
                     raise
-                log.warning(
-                    "ampx: building %s failed; installing without it (the pure-torch "
-                    "kernels are used; `ampx info` reports this). Error: %s", ext.name, exc
-                )
+                log.warning("ampx: building %s failed; installing without it. Error: %s",
+                            ext.name, exc)
 
     ext = factory(
         "ampx._C",

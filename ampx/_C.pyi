@@ -45,3 +45,11 @@ def has_cuda() -> bool:
 
 def cpu_capability() -> str:
     """The instruction set of the CPU kernels: "AVX512", "AVX2" or "DEFAULT"."""
+def cuda_archs() -> str:
+    """The CUDA architectures compiled in ("80_90p": sm_80, sm_90, PTX 9.0); "" without CUDA."""
+
+def cuda_limits() -> dict[str, int]:
+    """chunk, max_tensors, max_blocks, threads, pack_bytes of the CUDA kernels ({} without)."""
+
+def cuda_probe(device: int) -> str:
+    """"" when cuda:`device` can run the CUDA kernels, else the CUDA runtime's reason."""

@@ -6,9 +6,14 @@ importing this module is cheap (``torch.utils.cpp_extension`` is imported inside
 :func:`build` only), and only :func:`build` ever starts a compiler.
 
 The cache key is the torch version, the Python version, the CPU instruction set the
-kernels are compiled for, whether CUDA kernels are included, and a hash of the
+kernels are compiled for, the CUDA architectures (or ``cpu``), and a hash of the
 sources, so a torch upgrade or an edit to ``ampx/csrc/`` never loads a stale binary. The
 sources ship inside the package (package data), so a wheel install builds too.
+
+CUDA builds need no GPU: the architectures are ``$TORCH_CUDA_ARCH_LIST``, else those
+of the visible GPUs, else every one this torch was built for (:func:`cuda_arch_list`).
+nvcc is looked up in ``$CUDA_HOME``, on ``PATH``, in pip's ``nvidia-cuda-nvcc`` package
+and in ``/usr/local/cuda``.
 
 This module uses no relative imports so that ``setup.py`` can load it by path
 (for the ahead-of-time route) without importing the ``ampx`` package.
@@ -17,6 +22,7 @@ This module uses no relative imports so that ``setup.py`` can load it by path
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import shlex
@@ -28,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 __all__ = [
     "build",
@@ -108,22 +115,32 @@ def cpu_capability() -> str:
     return "DEFAULT"
 
 
-def _nvcc() -> str | None:
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and (Path(home) / "bin" / "nvcc").is_file():
-        return str(Path(home) / "bin" / "nvcc")
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    default = Path("/usr/local/cuda/bin/nvcc")
-    return str(default) if default.is_file() else None
+def _load_cuda_helpers() -> ModuleType:
+    """``_build_cuda.py`` loaded by path, as setup.py loads this module (no ampx package)."""
+    path = Path(__file__).with_name("_build_cuda.py")
+    spec = importlib.util.spec_from_file_location("_ampx_build_cuda", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+if __package__:
+    from . import _build_cuda as _cuda
+else:
+    _cuda = _load_cuda_helpers()
+# The CUDA toolkit and architecture helpers, re-exported (callers and tests use _build.*).
+arch_runs_on, arch_token, cuda_arch_list = (_cuda.arch_runs_on, _cuda.arch_token,
+                                            _cuda.cuda_arch_list)
+cuda_home, cuda_link_flags, gencode_flags = (_cuda.cuda_home, _cuda.cuda_link_flags,
+                                             _cuda.gencode_flags)
+torch_has_cuda, cuda_why_not, _nvcc = _cuda.torch_has_cuda, _cuda.cuda_why_not, _cuda.nvcc
+_cuda_home_for_torch = _cuda.cuda_home_for_torch
 
 
 def cuda_wanted() -> bool:
     """Return whether to compile the CUDA kernels: torch has CUDA and nvcc exists."""
-    import torch
-
-    return torch.version.cuda is not None and _nvcc() is not None
+    return cuda_why_not() is None
 
 
 def find_compiler() -> tuple[str, str | None]:
@@ -196,12 +213,13 @@ def _heartbeat(
         thread.join()
 
 
-def _key(src: Path, cap: str, cuda: bool) -> str:
+def _key(src: Path, cap: str, archs: list[str] | None) -> str:
+    """The cache key; ``archs`` is the CUDA arch list, or None for a CPU-only build."""
     import torch
 
     torch_version = torch.__version__.replace("+", "_")
     py = f"py{sys.version_info[0]}{sys.version_info[1]}"
-    device = "cuda" if cuda else "cpu"
+    device = f"cuda_{arch_token(archs)}" if archs else "cpu"
     return f"torch{torch_version}-{py}-{cap.lower()}-{device}-{_source_hash(src)}"
 
 
@@ -209,7 +227,7 @@ def _module_name(key: str) -> str:
     return "ampx_C_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def build_flags(cap: str, cuda: bool) -> tuple[list[str], list[str], list[str]]:
+def build_flags(cap: str, archs: list[str] | None) -> tuple[list[str], list[str], list[str]]:
     """Return ``(cflags, cuda_cflags, ldflags)`` for the given instruction set.
 
     The flags define the ``CPU_CAPABILITY_*`` macros ATen's ``Vectorized`` needs and
@@ -218,9 +236,13 @@ def build_flags(cap: str, cuda: bool) -> tuple[list[str], list[str], list[str]]:
     enable OpenMP when torch's parallel backend is OpenMP (``at::parallel_for`` is
     inlined into the extension).
 
+    The CUDA flags name every architecture with ``-gencode`` (so torch's own arch
+    detection, which needs a GPU, is not asked) and record the list in the binary
+    (``ampx._C.cuda_archs()``) for the load-time check in :mod:`ampx._ext`.
+
     Args:
         cap: ``"AVX512"``, ``"AVX2"`` or ``"DEFAULT"``.
-        cuda: Whether the CUDA kernels are compiled too.
+        archs: CUDA architectures (:func:`cuda_arch_list`), or None for CPU only.
     """
     import torch
 
@@ -241,20 +263,43 @@ def build_flags(cap: str, cuda: bool) -> tuple[list[str], list[str], list[str]]:
     if sys.platform.startswith("linux") and getattr(torch._C, "has_openmp", False):
         cflags.append("-fopenmp")
         ldflags.append("-fopenmp")
-    cuda_cflags = ["-O3", "--fmad=false", "-DAMPX_WITH_CUDA"] if cuda else []
-    if cuda:
-        cflags.append("-DAMPX_WITH_CUDA")
-    return cflags, cuda_cflags, ldflags
+    if not archs:
+        return cflags, [], ldflags
+    defines = ["-DAMPX_WITH_CUDA", f"-DAMPX_CUDA_ARCHS={arch_token(archs)}"]
+    return cflags + defines, ["-O3", "--fmad=false", *defines, *gencode_flags(archs)], ldflags
 
 
 def _ext_suffix() -> str:
     return str(sysconfig.get_config_var("EXT_SUFFIX") or ".so")
 
 
+def _candidate_keys(src: Path, cap: str) -> list[str]:
+    """Keys :func:`find_built` tries, best first: CUDA builds (the arch list asked for by
+    ``$TORCH_CUDA_ARCH_LIST`` first, then those with the most architectures), then CPU.
+
+    Never initialises CUDA: which GPU a build fits is checked by :mod:`ampx._ext` when
+    CUDA tensors first reach it.
+    """
+    import torch
+
+    cpu_key = _key(src, cap, None)
+    if torch.version.cuda is None:
+        return [cpu_key]
+    head, _, tail = cpu_key.partition("-cpu-")
+    found = [p.name for p in cache_dir().glob(f"{head}-cuda_*-{tail}") if p.is_dir()]
+    found.sort(key=lambda k: (-len(k.split("-cuda_")[1].split("_")), k))
+    try:
+        env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+        wanted = [_key(src, cap, cuda_arch_list())] if env and env != "native" else []
+    except ValueError:
+        wanted = []
+    return list(dict.fromkeys([*wanted, *found, cpu_key]))
+
+
 def find_built(src: Path | None = None) -> Path | None:
     """Return the cached extension built from the current sources, or None.
 
-    Cheap: hashes the sources and checks for a file; never compiles.
+    Cheap: hashes the sources and checks for files; never compiles.
 
     Args:
         src: Source directory; defaults to :func:`source_dir`.
@@ -262,12 +307,7 @@ def find_built(src: Path | None = None) -> Path | None:
     src = src or source_dir()
     if src is None:
         return None
-    cap = cpu_capability()
-    import torch
-
-    variants = [True, False] if torch.version.cuda is not None else [False]
-    for cuda in variants:
-        key = _key(src, cap, cuda)
+    for key in _candidate_keys(src, cpu_capability()):
         path = _library(cache_dir() / key, _module_name(key))
         if path is not None:
             return path
@@ -279,9 +319,8 @@ def last_build_error(src: Path | None = None) -> str | None:
     src = src or source_dir()
     if src is None:
         return None
-    cap = cpu_capability()
-    for cuda in (True, False):
-        path = cache_dir() / _key(src, cap, cuda) / BUILD_ERROR_FILE
+    for key in _candidate_keys(src, cpu_capability()):
+        path = cache_dir() / key / BUILD_ERROR_FILE
         if path.is_file():
             return path.read_text(errors="replace")
     return None
@@ -309,19 +348,22 @@ def _publish(built: Path, out: Path) -> Path:
     return target
 
 
-def _compile(src: Path, cap: str, cuda: bool, verbose: bool, progress: Progress | None) -> Path:
-    key = _key(src, cap, cuda)
+def _compile(src: Path, cap: str, archs: list[str] | None, verbose: bool,
+             progress: Progress | None) -> Path:
+    key = _key(src, cap, archs)
     name = _module_name(key)
     out = cache_dir() / key
     work = out / "build"  # ninja's files and objects; torch's own lock serialises builders
     work.mkdir(parents=True, exist_ok=True)
     error_file = out / BUILD_ERROR_FILE
-    suffixes = (".cpp", ".cu") if cuda else (".cpp",)
+    suffixes = (".cpp", ".cu") if archs else (".cpp",)
     sources = [p for p in source_files(src) if p.suffix in suffixes]
-    cflags, cuda_cflags, ldflags = build_flags(cap, cuda)
+    cflags, cuda_cflags, ldflags = build_flags(cap, archs)
+    if archs:
+        ldflags = cuda_link_flags(work) + ldflags
     _log.info("ampx: building %s (%s) in %s", name, key, out)
     if progress is not None:
-        kind = "CPU and CUDA" if cuda else "CPU"
+        kind = f"CPU and CUDA {';'.join(archs)}" if archs else "CPU"
         progress(f"ampx build-ext: compiling {', '.join(p.name for p in sources)} ({kind} "
                  f"kernels, {cap}) in {work}")
     start = time.time()
@@ -329,18 +371,22 @@ def _compile(src: Path, cap: str, cuda: bool, verbose: bool, progress: Progress 
     from torch.utils import cpp_extension
 
     try:
-        with _heartbeat(work, len(sources), None if verbose else progress):
-            cpp_extension.load(
+        with _heartbeat(work, len(sources), None if verbose else progress), \
+                _cuda_home_for_torch(cuda_home() if archs else None):
+            module = cpp_extension.load(
                 name=name, sources=[str(p) for p in sources], extra_cflags=cflags,
                 extra_cuda_cflags=cuda_cflags, extra_ldflags=ldflags,
-                extra_include_paths=[str(src)], build_directory=str(work), with_cuda=cuda,
-                verbose=verbose, is_python_module=True,
+                extra_include_paths=[str(src)], build_directory=str(work),
+                with_cuda=bool(archs), verbose=verbose, is_python_module=True,
             )
     except Exception as exc:  # compiler errors arrive as RuntimeError, others vary
         message = str(exc).strip() or type(exc).__name__
         error_file.write_text(message + "\n")
         raise RuntimeError(f"ampx build-ext failed ({key}):\n{message}") from exc
     error_file.unlink(missing_ok=True)
+    if archs and not module.has_cuda():
+        raise RuntimeError(f"ampx build-ext: {name} was compiled for CUDA but reports no CUDA "
+                           "kernels")
     built = _library(work, name)
     if built is None:
         raise RuntimeError(f"ampx build-ext: the compiler succeeded but no {name} library "
@@ -351,13 +397,14 @@ def _compile(src: Path, cap: str, cuda: bool, verbose: bool, progress: Progress 
 
 
 def build(
-    verbose: bool = False, *, src: Path | None = None, progress: Progress | None = None
+    verbose: bool = False, *, src: Path | None = None, progress: Progress | None = None,
+    require_cuda: bool = False,
 ) -> Path:
     """Compile ``ampx/csrc/`` against the installed torch and return the built module's path.
 
-    A cached build for the same key is reused (ninja rebuilds nothing). CUDA kernels
-    are included when :func:`cuda_wanted` is true; if that build fails, the CPU-only
-    build is tried and the CUDA error stays in the cache for ``ampx info``.
+    A cached build for the same key is reused (ninja rebuilds nothing). CUDA kernels are
+    included when :func:`cuda_wanted`; if that build fails, the CPU-only build is tried
+    (unless ``require_cuda``), the CUDA error kept in the cache for ``ampx info``.
 
     Args:
         verbose: Show the compiler command lines and output.
@@ -365,14 +412,16 @@ def build(
         progress: Called with a line when compiling starts, every few seconds while it
             runs (unless ``verbose``: then the compiler's output shows progress), and
             when it is done.
+        require_cuda: Fail instead of building CPU kernels only when the CUDA kernels
+            cannot be built (torch without CUDA, nvcc missing, a compile error).
 
     Returns:
         Path of the shared library, loadable by :mod:`ampx._ext`.
 
     Raises:
-        RuntimeError: The sources, the compiler or ninja are missing, or the compiler
-            failed; the message says which (and holds the compiler's output, which is
-            also saved for ``ampx info``).
+        RuntimeError: The sources, the compiler or ninja are missing, the compiler
+            failed, or (``require_cuda``) no CUDA build was made; the message says which
+            (and holds the compiler's output, which is also saved for ``ampx info``).
     """
     src = src or source_dir()
     if src is None:
@@ -383,12 +432,19 @@ def build(
     missing = missing_compiler()
     if missing is not None:
         raise RuntimeError(f"ampx build-ext: {missing}; ampx keeps using its pure-torch kernels")
+    why_not = cuda_why_not()
+    if why_not is not None and require_cuda:
+        raise RuntimeError(f"ampx build-ext --require-cuda: cannot build the CUDA kernels: "
+                           f"{why_not}")
     cap = cpu_capability()
     with _ninja_on_path():
-        if cuda_wanted():
+        if why_not is None:
             try:
-                return _compile(src, cap, True, verbose, progress)
-            except RuntimeError as exc:
+                return _compile(src, cap, cuda_arch_list(), verbose, progress)
+            except (RuntimeError, ValueError) as exc:
+                if require_cuda:
+                    raise RuntimeError(f"ampx build-ext --require-cuda: the CUDA build failed: "
+                                       f"{exc}") from exc
                 _log.warning("ampx: the CUDA build failed; building the CPU kernels only: %s",
                              exc)
-        return _compile(src, cap, False, verbose, progress)
+        return _compile(src, cap, None, verbose, progress)

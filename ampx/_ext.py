@@ -3,17 +3,15 @@
 Other ampx modules call only the five contract functions here (``unscale_``,
 ``unscale_into_``, ``l2norm``, ``copy_``, ``update_scale_``), the foreach helper ``mul_``,
 :func:`describe`, ``BACKEND`` and ``IMPORT_ERROR``. This is the one place where tensors
-are grouped by device and reduced to contiguous layouts before a kernel runs. The choice
-is made per call: the native kernels are used when the extension is loaded and has
-kernels for the tensors' device (CPU always, CUDA when it was compiled with CUDA);
-anything else runs
-:mod:`ampx._reference`, which computes the same results.
+are grouped by device and reduced to contiguous layouts before a kernel runs. Per call,
+the native kernels run when the extension is loaded and has kernels for the tensors'
+device (CPU always, CUDA when compiled with CUDA and built for that GPU: otherwise one
+``RuntimeWarning``); anything else runs :mod:`ampx._reference`, with the same results.
 
 Loading is lazy and never compiles: the first call (or the first read of
-``BACKEND``/``IMPORT_ERROR``) tries ``ampx._C`` (built ahead of time by
-``AMPX_BUILD_EXT=1 pip install --no-build-isolation .``) and then the cache that
-``ampx build-ext`` fills. ``AMPX_DISABLE_EXT=1`` forces the reference. Nothing is
-printed or warned; the reason the reference is in use is kept in ``IMPORT_ERROR``
+``BACKEND``/``IMPORT_ERROR``) tries ``ampx._C`` (built by ``AMPX_BUILD_EXT=1 pip install``)
+and then the cache that ``ampx build-ext`` fills. ``AMPX_DISABLE_EXT=1`` forces the
+reference. Nothing is printed; why the reference is in use is kept in ``IMPORT_ERROR``
 and logged at debug level on the ``ampx`` logger.
 """
 
@@ -34,15 +32,8 @@ import torch
 
 from . import _reference
 
-__all__ = [
-    "copy_",
-    "describe",
-    "l2norm",
-    "mul_",
-    "unscale_",
-    "unscale_into_",
-    "update_scale_",
-]
+__all__ = ["copy_", "describe", "l2norm", "mul_", "unscale_", "unscale_into_",
+           "update_scale_"]
 
 _log = logging.getLogger("ampx")
 _DISABLE_ENV = "AMPX_DISABLE_EXT"
@@ -61,6 +52,7 @@ class _State:
         self.has_cuda = False
         self.path: Optional[str] = None
         self.error: Optional[str] = None
+        self.cuda_problems: dict[int, Optional[str]] = {}  # device index -> why not / None
 
 
 _state = _State()
@@ -153,6 +145,16 @@ def _ensure_loaded() -> _State:
     return _state
 
 
+def _cuda_usable(state: _State, device: torch.device) -> bool:
+    """Whether the loaded CUDA kernels run on `device` (checked once, warns if not)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in state.cuda_problems:
+        from ._build_cuda import check_device
+
+        check_device(state.native, index, state.cuda_problems, _lock)
+    return state.cuda_problems[index] is None
+
+
 def _native_module() -> Optional[ModuleType]:
     """Return the loaded extension module, or None (for tests and benchmarks)."""
     return _ensure_loaded().native
@@ -161,9 +163,8 @@ def _native_module() -> Optional[ModuleType]:
 def _impl(device: torch.device) -> Any:
     state = _state if _state.loaded else _ensure_loaded()
     native = state.native
-    if native is not None and (
-        device.type == "cpu" or (device.type == "cuda" and state.has_cuda)
-    ):
+    if native is not None and (device.type == "cpu" or (
+            device.type == "cuda" and state.has_cuda and _cuda_usable(state, device))):
         return native
     return _reference
 
@@ -285,8 +286,7 @@ def unscale_(
 ) -> None:
     """Multiply ``grads`` by ``inv_scale`` in place; flag inf/NaN in ``found_inf``.
 
-    Any devices and layouts (see the section comment). See :func:`ampx._reference.unscale_`
-    for the arguments and errors.
+    Any devices and layouts (section comment); arguments and errors: the reference's.
     """
     if not grads:
         return
@@ -311,8 +311,7 @@ def unscale_into_(
 ) -> None:
     """Write (or add) ``src * inv_scale`` into ``dst`` in one pass; flag inf/NaN.
 
-    Any devices and layouts (see the section comment). See
-    :func:`ampx._reference.unscale_into_` for the arguments and errors.
+    Any devices and layouts (section comment); arguments and errors: the reference's.
     """
     if not src or len(src) != len(dst):
         device = src[0].device if src else torch.device("cpu")
@@ -346,16 +345,14 @@ def l2norm(
     flat = [f if f is not None else t.contiguous().view(-1)
             for t, f in zip(flat, (_flat(t) for t in flat))]
     groups = _by_device(flat)
+    if len(groups) == 1:  # no index tensors: nothing copied from the host (graph capture)
+        total, each = _impl(flat[0].device).l2norm(flat, True)
+        return (total, each) if per_tensor else total
     first = flat[0].device
     totals: list[torch.Tensor] = []
     norms = torch.zeros(len(flat), dtype=torch.float32, device=first)
     for device, idx in groups:
-        impl = _impl(device)
-        part = [flat[i] for i in idx]
-        if impl is _reference:
-            total, each = _reference.l2norm(part, True)
-        else:
-            total, each = impl.l2norm(part, True)
+        total, each = _impl(device).l2norm([flat[i] for i in idx], True)
         totals.append(total.to(first))
         if per_tensor:
             norms[torch.tensor(idx, device=first)] = each.to(first)
@@ -367,8 +364,7 @@ def l2norm(
 def copy_(src: Tensors, dst: Tensors) -> None:
     """Copy ``src[i]`` into ``dst[i]`` for every ``i``, converting the dtype.
 
-    Any devices and layouts (see the section comment). See :func:`ampx._reference.copy_`
-    for the arguments and errors.
+    Any devices and layouts (section comment); arguments and errors: the reference's.
     """
     if not src or len(src) != len(dst):
         device = src[0].device if src else torch.device("cpu")
@@ -425,7 +421,8 @@ def describe() -> dict[str, Any]:
     Returns:
         A dict with ``backend`` (``"native"`` or ``"reference"``), ``import_error``
         (why the native kernels are not active, or None), ``extension_path``,
-        ``cuda_kernels`` (whether the loaded extension has CUDA kernels),
+        ``cuda_kernels`` (whether the loaded extension has CUDA kernels), ``cuda_archs``
+        (which, as ``80_90p``), ``cuda_unusable`` (devices they cannot run on, and why),
         ``cpu_capability`` (the instruction set it was compiled for), ``disabled_by_env``,
         ``build_error`` (the compiler output of the last failed ``ampx build-ext`` for
         the current sources, or None), ``cache_dir``, ``torch_version`` and
@@ -440,6 +437,10 @@ def describe() -> dict[str, Any]:
         "import_error": state.error,
         "extension_path": state.path,
         "cuda_kernels": state.has_cuda,
+        "cuda_archs": (str(native.cuda_archs()) or None)
+        if native is not None and hasattr(native, "cuda_archs") else None,
+        "cuda_unusable": {f"cuda:{i}": p for i, p in state.cuda_problems.items()
+                          if p is not None},
         "cpu_capability": str(native.cpu_capability()) if native is not None else None,
         "disabled_by_env": _disabled(),
         "build_error": _build.last_build_error(),

@@ -186,11 +186,13 @@ examples:
 _BUILD_EPILOG = """\
 Compiles ampx's native kernels (ampx/csrc) against the installed torch into a cache; later
 imports load them. Needs a C++ compiler ($CXX, default c++) and ninja (pip install
-'ampx[native]'). Without them ampx uses its pure-torch kernels.
+'ampx[native]'). Without them ampx uses its pure-torch kernels. CUDA kernels are added when
+torch has CUDA and nvcc is found (no GPU needed).
 
 examples:
   ampx build-ext --verbose
   ampx build-ext --skip-without-compiler    # exit 0 with a note where no compiler exists
+  ampx build-ext --require-cuda             # exit 1 unless the CUDA kernels are built
 """
 
 
@@ -313,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("-v", "--verbose", action="store_true", help="show the compiler output")
     build.add_argument("--skip-without-compiler", action="store_true",
                        help="exit 0 with a note instead of failing when no C++ compiler exists")
+    build.add_argument("--require-cuda", action="store_true", help="fail without CUDA kernels")
     return parser
 
 
@@ -431,7 +434,7 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
 # -- ampx build-ext ------------------------------------------------------------------------------
 
 def _cmd_build_ext(args: argparse.Namespace) -> int:
-    from .. import _build
+    from .. import _build, _build_cuda
 
     missing = _build.missing_compiler()
     if missing is not None and args.skip_without_compiler:
@@ -439,7 +442,8 @@ def _cmd_build_ext(args: argparse.Namespace) -> int:
               "uses its pure-torch kernels", file=sys.stderr)
         return 0
     try:
-        path = _build.build(verbose=args.verbose,
+        extra: dict[str, Any] = {"require_cuda": True} if args.require_cuda else {}
+        path = _build.build(verbose=args.verbose, **extra,  # test_cli stubs build() without it
                             progress=lambda line: print(line, file=sys.stderr, flush=True))
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -448,5 +452,5 @@ def _cmd_build_ext(args: argparse.Namespace) -> int:
             print("ampx: rerun with --verbose for the compiler output; ampx keeps using its "
                   "pure-torch kernels", file=sys.stderr)
         return 1
-    print(f"built ampx._C: {path}")
+    print(f"built ampx._C: {path}{_build_cuda.cpu_only_note(path)}")
     return 0

@@ -1,7 +1,8 @@
 """`ampx selftest`: check this installation on every device present, in well under a minute.
 
-One job: on the CPU and on each CUDA device, (1) compare the native kernels with the
-pure-torch reference (`ampx.cli.selftest`), (2) train a small model 20 steps at O1 and O2
+One job: on the CPU and on each CUDA device, (1) compare the native kernels, called through
+the dispatcher `ampx._ext`, with the pure-torch reference (`ampx.cli.selftest_kernels`; a GPU
+whose tensors do not reach native CUDA kernels fails), (2) train a small model 20 steps at O1 and O2
 in each half dtype with one forced overflow, checking that exactly that step is skipped, the
 dynamic loss scale backs off, and the loss falls, and (3) time O1 and O2 steps against
 torch.autocast (+ GradScaler for fp16) on the same model. It prints a table and a verdict and
@@ -52,25 +53,48 @@ def devices() -> list[str]:
     return found
 
 
-def kernel_check(device: str, native: Any = None) -> Check:
-    """Native vs reference kernels on `device` (`native`: a stand-in backend for tests)."""
+def kernel_check(device: str, native: Any = None,
+                 limits: Optional[dict[str, int]] = None) -> Check:
+    """Native vs reference kernels on `device`, through `ampx._ext` as in training.
+
+    A CUDA device whose tensors the dispatcher does not send to native CUDA kernels
+    fails (unless AMPX_DISABLE_EXT asks for the reference); on CUDA the launch-batching
+    cases sized from the kernels' `cuda_limits()` run too.
+
+    Args:
+        device: "cpu", "cuda:0", ...
+        native: A stand-in backend for tests (default: `ampx._ext` when it routes
+            `device` to the extension).
+        limits: Launch limits for the batching cases (default: the extension's, on CUDA).
+    """
     import torch
 
-    from .selftest_kernels import compare_backends, native_for
+    from .. import _ext
+    from .selftest_kernels import compare_backends, compare_batching, native_for
 
     if native is None:
         native, why_not = native_for(torch.device(device))
         if native is None:
+            if device.startswith("cuda") and not _ext._disabled():
+                return Check(device, "kernels", "FAIL", f"a GPU is visible but {why_not}")
             return Check(device, "kernels", "skip", f"{why_not}; the reference is in use")
+        if device.startswith("cuda") and limits is None:
+            module = _ext._native_module()
+            limits = dict(getattr(module, "cuda_limits", dict)()) or None
     result = compare_backends(native, torch.device(device))
+    what = "3 dtypes, inf/NaN placements"
+    if limits:
+        batching = compare_batching(native, torch.device(device), limits)
+        result = {"cases": result["cases"] + batching["cases"],
+                  "mismatches": result["mismatches"] + batching["mismatches"]}
+        what += f", launch batching at chunk {limits['chunk']}"
     if result["mismatches"]:
         shown = ", ".join(result["mismatches"][:4])
         more = len(result["mismatches"]) - 4
         return Check(device, "kernels", "FAIL",
                      f"{len(result['mismatches'])}/{result['cases']} differ: {shown}"
                      + (f" (+{more} more)" if more > 0 else ""))
-    return Check(device, "kernels", "pass",
-                 f"{result['cases']} comparisons identical (3 dtypes, inf/NaN placements)")
+    return Check(device, "kernels", "pass", f"{result['cases']} comparisons identical ({what})")
 
 
 def _model(device: str, width: int, depth: int) -> Any:

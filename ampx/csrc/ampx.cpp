@@ -266,6 +266,19 @@ bool has_cuda() {
 #endif
 }
 
+#define AMPX_STRINGIFY_(x) #x
+#define AMPX_STRINGIFY(x) AMPX_STRINGIFY_(x)
+
+// The CUDA architectures compiled in, as ampx/_build.py's arch_token ("80_90p": sm_80,
+// sm_90 and PTX for 9.0); "" without CUDA kernels.
+std::string cuda_archs() {
+#if defined(AMPX_WITH_CUDA) && defined(AMPX_CUDA_ARCHS)
+  return AMPX_STRINGIFY(AMPX_CUDA_ARCHS);
+#else
+  return "";
+#endif
+}
+
 }  // namespace
 }  // namespace ampx
 
@@ -286,4 +299,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_cuda", &ampx::has_cuda, "Whether the CUDA kernels were compiled in.");
   m.def("cpu_capability", &ampx::cpu_capability,
         "The CPU instruction set the CPU kernels were compiled for.");
+  m.def("cuda_archs", &ampx::cuda_archs,
+        "The CUDA architectures compiled in (\"80_90p\": sm_80, sm_90, PTX 9.0); \"\" "
+        "without CUDA.");
+  m.def("cuda_limits", []() {
+    py::dict out;
+#ifdef AMPX_WITH_CUDA
+    const ampx::CudaLimits l = ampx::cuda_limits();
+    out["chunk"] = l.chunk;
+    out["max_tensors"] = l.max_tensors;
+    out["max_blocks"] = l.max_blocks;
+    out["threads"] = l.threads;
+    out["pack_bytes"] = l.pack_bytes;
+#endif
+    return out;
+  }, "How the CUDA kernels split work (empty without CUDA).");
+  m.def("cuda_probe", [](int64_t device) {
+#ifdef AMPX_WITH_CUDA
+    return ampx::cuda_probe(static_cast<int>(device));
+#else
+    (void)device;
+    return std::string("this build has no CUDA kernels");
+#endif
+  }, arg("device"), "\"\" when the device can run the CUDA kernels, else why not.");
 }

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -73,6 +74,19 @@ void copy_cuda(const TensorList& src, const TensorList& dst);
 void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker,
                        const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
                        const ScaleParams& p);
+// How the CUDA kernels cut their work: elements per block, tensors and blocks per
+// launch, threads per block, bytes per vector access. The selftest sizes its cases
+// from these, so it exercises chunk edges and multi-launch batching whatever they are.
+struct CudaLimits {
+  int64_t chunk;
+  int max_tensors;
+  int max_blocks;
+  int threads;
+  int pack_bytes;
+};
+CudaLimits cuda_limits();
+// "" when `device` can run the kernels, else the CUDA runtime's reason.
+std::string cuda_probe(int device);
 #endif
 
 }  // namespace ampx

@@ -107,13 +107,15 @@ def test_publish_replaces_atomically(tmp_path: Path) -> None:
 def test_key_tracks_torch_python_and_sources(tmp_path: Path) -> None:
     src = tmp_path / "csrc"
     shutil.copytree(CSRC, src)
-    key = _build._key(src, "AVX2", False)
+    key = _build._key(src, "AVX2", None)
     assert torch.__version__.replace("+", "_") in key
     assert f"py{sys.version_info[0]}{sys.version_info[1]}" in key
-    assert "avx2" in key and "cpu" in key
-    assert _build._key(src, "AVX2", True) != key
+    assert "avx2" in key and "-cpu-" in key
+    sm90 = _build._key(src, "AVX2", ["9.0"])
+    assert "-cuda_90-" in sm90 and sm90 != key  # the arch list is part of the key
+    assert "-cuda_80_90p-" in _build._key(src, "AVX2", ["8.0", "9.0+PTX"])
     (src / "kernels_cpu.cpp").write_text((src / "kernels_cpu.cpp").read_text() + "\n// edit\n")
-    assert _build._key(src, "AVX2", False) != key
+    assert _build._key(src, "AVX2", None) != key
 
 
 def test_find_built_is_none_in_an_empty_cache(cache: Path) -> None:
@@ -122,10 +124,15 @@ def test_find_built_is_none_in_an_empty_cache(cache: Path) -> None:
 
 
 def test_flags_fix_numerics_and_isa() -> None:
-    cflags, cuda_cflags, _ = _build.build_flags("AVX512", cuda=True)
+    cflags, cuda_cflags, _ = _build.build_flags("AVX512", ["8.0", "9.0a+PTX"])
     assert "-ffp-contract=off" in cflags and "-DCPU_CAPABILITY_AVX512" in cflags
     assert "-DAMPX_WITH_CUDA" in cflags and "--fmad=false" in cuda_cflags
-    cflags, cuda_cflags, _ = _build.build_flags("DEFAULT", cuda=False)
+    assert "-DAMPX_CUDA_ARCHS=80_90ap" in cflags  # what ampx._C.cuda_archs() reports
+    # every arch named, so torch's own detection (which needs a GPU) is never asked
+    assert [f for f in cuda_cflags if f.startswith("-gencode")] == [
+        "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a",
+        "-gencode=arch=compute_90a,code=compute_90a"]
+    cflags, cuda_cflags, _ = _build.build_flags("DEFAULT", None)
     assert not any(f.startswith("-m") for f in cflags) and cuda_cflags == []
 
 
@@ -199,3 +206,154 @@ def test_ninja_comes_from_the_native_extra(
         with _build._ninja_on_path():
             pass
     assert os.environ["PATH"] == str(tmp_path)
+
+
+def _no_gpu(monkeypatch: pytest.MonkeyPatch, archs: list[str]) -> None:
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: archs)
+
+
+def test_arch_list_without_a_gpu_is_every_arch_torch_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_gpu(monkeypatch, ["sm_75", "sm_80", "sm_90", "sm_120", "compute_120"])
+    assert _build.cuda_arch_list() == ["7.5", "8.0", "9.0", "12.0+PTX"]
+    _no_gpu(monkeypatch, [])
+    with pytest.raises(RuntimeError, match="no GPU is visible.*set TORCH_CUDA_ARCH_LIST"):
+        _build.cuda_arch_list()
+
+
+def test_arch_list_follows_env_then_visible_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_gpu(monkeypatch, ["sm_80", "sm_90"])
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6 9.0a;10.0+PTX")
+    assert _build.cuda_arch_list() == ["8.6", "9.0a", "10.0+PTX"]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "Hopper")
+    with pytest.raises(ValueError, match="cannot read CUDA architecture 'Hopper'"):
+        _build.cuda_arch_list()
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    caps = [(9, 0), (8, 0), (12, 1)]  # 12.1 is newer than this torch: capped at 9.0
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: caps[i])
+    assert _build.cuda_arch_list() == ["8.0", "9.0+PTX"]
+
+
+@pytest.mark.parametrize(("token", "capability", "runs"), [
+    ("80_90p", (8, 0), True), ("80_90p", (8, 6), True), ("80_90p", (9, 0), True),
+    ("80_90p", (12, 0), True),  # PTX 9.0 is JIT-compiled for newer GPUs
+    ("90", (8, 0), False), ("90", (10, 0), False), ("90", (9, 0), True),
+    ("75_80_86_90_100_120p", (7, 0), False), ("90a", (9, 0), True), ("90ap", (10, 0), False),
+    ("", (9, 0), False),
+])
+def test_arch_runs_on(token: str, capability: tuple[int, int], runs: bool) -> None:
+    assert _build.arch_runs_on(token, capability) is runs
+
+
+def _toolkit(root: Path, libs: list[str]) -> Path:
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    (root / "include").mkdir()
+    (root / "include" / "cuda_runtime.h").write_text("")
+    (root / "lib").mkdir()
+    for name in libs:
+        (root / "lib" / name).write_bytes(b"")
+    return root
+
+
+def test_pip_cudart_gets_a_link_torch_can_use(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    home = _toolkit(tmp_path / "cu13", ["libcudart.so.13"])  # pip's nvidia-cuda-runtime
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    assert _build.cuda_home() == home
+    flags = _build.cuda_link_flags(tmp_path / "work")
+    assert flags == [f"-L{tmp_path / 'work' / 'cudart'}"]
+    link = tmp_path / "work" / "cudart" / "libcudart.so"
+    assert link.resolve() == (home / "lib" / "libcudart.so.13").resolve()
+    assert _build.cuda_link_flags(tmp_path / "work") == flags  # idempotent
+    (home / "lib" / "libcudart.so").write_bytes(b"")  # a full toolkit links by itself
+    assert _build.cuda_link_flags(tmp_path / "work2") == []
+
+
+def test_cuda_home_needs_headers_and_names_what_is_missing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wrapper = tmp_path / "usr" / "bin"  # /usr/local/bin/nvcc, a script: no headers above
+    wrapper.mkdir(parents=True)
+    (wrapper / "nvcc").write_text("#!/bin/sh\n")
+    (wrapper / "nvcc").chmod(0o755)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUDA_PATH", raising=False)
+    monkeypatch.setenv("PATH", str(wrapper))
+    monkeypatch.setattr(_build._cuda, "_pip_cuda_homes", lambda: [])
+    found = _build.cuda_home()
+    assert found is None or found == Path("/usr/local/cuda")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "nowhere"))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    why = _build.cuda_why_not()
+    assert why is not None and "nvcc not found in $CUDA_HOME/bin" in why
+    assert not _build.cuda_wanted()
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert "built without CUDA" in (_build.cuda_why_not() or "")
+
+
+@pytest.mark.parametrize("torch_cuda", [None, "13.0"])
+def test_require_cuda_fails_loudly_when_cuda_cannot_be_built(
+        torch_cuda: str | None, cache: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(torch.version, "cuda", torch_cuda)
+    monkeypatch.setenv("CUDA_HOME", str(cache / "no-toolkit"))
+    monkeypatch.setattr(_build, "missing_compiler", lambda: None)
+    with pytest.raises(RuntimeError, match="--require-cuda: cannot build the CUDA kernels"):
+        _build.build(require_cuda=True)
+    assert cli.main(["build-ext", "--require-cuda"]) == 1
+    err = capsys.readouterr().err
+    expected = "built without CUDA" if torch_cuda is None else "nvcc not found"
+    assert "ampx: build failed: ampx build-ext --require-cuda: cannot build" in err
+    assert expected in err
+    assert not cache.exists()  # failed before compiling anything
+
+
+def test_setup_py_require_cuda_exits_nonzero(tmp_path: Path) -> None:
+    env = {**os.environ, "AMPX_BUILD_EXT": "require-cuda", "CUDA_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(ROOT / "setup.py"), "--version"], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "AMPX_BUILD_EXT=require-cuda but the CUDA kernels cannot be built" in proc.stderr
+
+
+def test_find_built_prefers_the_widest_cuda_build(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    src, cap = CSRC, _build.cpu_capability()
+
+    def fake(archs: list[str] | None) -> Path:
+        key = _build._key(src, cap, archs)
+        (cache / key).mkdir(parents=True)
+        library = cache / key / f"{_build._module_name(key)}.so"
+        library.write_bytes(b"")
+        return library
+
+    cpu = fake(None)
+    assert _build.find_built() == cpu
+    narrow, wide = fake(["9.0"]), fake(["8.0", "9.0", "10.0+PTX"])
+    assert _build.find_built() == wide  # no CUDA initialised: the broadest build first
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert _build.find_built() == narrow  # the one asked for
+    (cache / narrow.parent.name / _build.BUILD_ERROR_FILE).write_text("nvcc exploded\n")
+    assert _build.last_build_error() == "nvcc exploded\n"
+
+
+def test_build_ext_says_when_a_cuda_torch_got_cpu_kernels_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    built = tmp_path / "torch2_cu130-py311-avx2-cpu-0123" / "ampx_C_x.so"
+    monkeypatch.setattr(_build, "missing_compiler", lambda: None)
+    monkeypatch.setattr(_build, "build", lambda **kwargs: built)
+    monkeypatch.setattr(_build._cuda, "torch_has_cuda", lambda: True)
+    monkeypatch.setattr(_build._cuda, "cuda_why_not", lambda: "nvcc not found in PATH")
+    assert cli.main(["build-ext"]) == 0
+    out = capsys.readouterr().out
+    assert out == (f"built ampx._C: {built} (CPU kernels only: nvcc not found in PATH; "
+                   "--require-cuda makes this an error)\n")
+    monkeypatch.setattr(_build._cuda, "torch_has_cuda", lambda: False)  # a CPU torch: no note
+    assert cli.main(["build-ext"]) == 0
+    assert capsys.readouterr().out == f"built ampx._C: {built}\n"

@@ -21,6 +21,7 @@ import os
 import struct
 import subprocess
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -716,3 +717,65 @@ def test_importing_ampx_never_compiles_or_prints(tmp_path: Path) -> None:
     if backend == "reference":  # nothing was built into the empty cache
         assert "not built" in err or "ampx._C" in err
         assert not cache.exists() or not any(cache.rglob("*.so"))
+
+
+class _FakeCudaBuild:
+    """A loaded extension with CUDA kernels for `archs` (only what `_ext` asks of it)."""
+
+    def __init__(self, archs: str, probe: str = "") -> None:
+        self.archs, self.probe, self.probed = archs, probe, 0
+
+    def cuda_archs(self) -> str:
+        return self.archs
+
+    def cuda_probe(self, index: int) -> str:
+        self.probed += 1
+        return self.probe
+
+    def has_cuda(self) -> bool:
+        return True
+
+    def cpu_capability(self) -> str:
+        return "DEFAULT"
+
+
+def _fake_state(monkeypatch: pytest.MonkeyPatch, native: Any,
+                capability: tuple[int, int]) -> Any:
+    state = _ext._State()
+    state.loaded, state.native, state.has_cuda, state.path = True, native, True, "fake.so"
+    monkeypatch.setattr(_ext, "_state", state)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    return state
+
+
+def test_ext_falls_back_with_a_warning_on_a_gpu_the_build_lacks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An sm_90-only build on an A100 (sm_80): reference kernels and one warning, no launch."""
+    native = _FakeCudaBuild("90")
+    _fake_state(monkeypatch, native, (8, 0))
+    with pytest.warns(RuntimeWarning, match=r"CUDA code for 90 .* cuda:0 is sm_80; rebuild"):
+        assert _ext._impl(torch.device("cuda:0")) is _reference
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # checked once per device: no second warning
+        assert _ext._impl(torch.device("cuda:0")) is _reference
+    assert native.probed == 0  # the arch list already ruled it out
+    assert "sm_80" in _ext.describe()["cuda_unusable"]["cuda:0"]
+    assert _ext._impl(torch.device("cpu")) is native  # the CPU kernels are unaffected
+
+
+def test_ext_uses_cuda_kernels_the_device_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    native = _FakeCudaBuild("80_90p")
+    _fake_state(monkeypatch, native, (12, 0))  # newer than any sm_: PTX 9.0 is JIT-compiled
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _ext._impl(torch.device("cuda:1")) is native
+    assert native.probed == 1 and _ext.describe()["cuda_unusable"] == {}
+    assert _ext.describe()["cuda_archs"] == "80_90p"
+
+
+def test_ext_falls_back_when_the_runtime_finds_no_kernel_image(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    native = _FakeCudaBuild("90", probe="no kernel image is available for execution")
+    _fake_state(monkeypatch, native, (9, 0))
+    with pytest.warns(RuntimeWarning, match="CUDA runtime cannot run .* no kernel image"):
+        assert _ext._impl(torch.device("cuda:0")) is _reference
