@@ -248,7 +248,13 @@ class Amp:
         scaled = ScaledPass(opts, states, self.scalers[loss_id], self.synchronize_found_inf)
         scaled.begin()
         try:
-            yield self.scalers[loss_id].scale_loss_value(loss)
+            value = self.scalers[loss_id].scale_loss_value(loss)
+            if value.requires_grad and patch.active() is not None:
+                # Backward holds the casts it needs (saved tensors) and frees each as it goes;
+                # the cache holding them too kept every half weight copy alive through
+                # backward and the unscale (O1's memory excess over autocast).
+                value.register_hook(_drop_weight_casts)
+            yield value
         except BaseException:
             scaled.abort()
             patch.clear_cache()
@@ -378,6 +384,11 @@ class Amp:
         if self._o1 is not None and patch.active() is self._o1:
             patch.deactivate()
         self._o1 = None
+
+
+def _drop_weight_casts(grad: torch.Tensor) -> None:
+    """A tensor hook on the scaled loss: backward starts, the weight-cast cache lets go."""
+    patch.clear_cache()
 
 
 def _short_circuit(loss: torch.Tensor, states: list[OptimizerAmpState]) -> Iterator[torch.Tensor]:

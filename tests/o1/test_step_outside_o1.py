@@ -101,7 +101,7 @@ def test_restore_inside_a_step_restores_torch() -> None:
     amp = ampx.Amp("O1", dtype="bf16", verbosity=0)
 
     class Restoring(torch.optim.SGD):
-        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        def step(self, closure: Any = None) -> Any:
             amp.restore()  # the session ends inside the step: nothing to put back afterwards
             return super().step(closure)
 
