@@ -24,7 +24,10 @@ Run::
     python benchmarks/bench_step.py [--reps 30] [--threads 2] [--dtype bf16] [--models mlp]
 
 Targets (issue #15, CPU bf16): O1/autocast <= 1.0 on all three, O2/autocast <= 0.9 on the
-encoder.
+encoder. Issue #21: O1/autocast <= 1.0 and O2/autocast <= 1.0 on all three; the fixed
+per-step cost printed last (`bench_phases.py`: scale_loss entry + exit + step hooks +
+zero_grad handler, O1 bf16, small MLP) <= 100 us. Also printed: the cost of the step's
+casts-off flag (which replaced swapping the patched attributes out and back).
 """
 
 from __future__ import annotations
