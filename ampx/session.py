@@ -253,7 +253,13 @@ class Amp:
         # a no-op once `end` committed).
         try:
             scaled.begin()
-            yield self.scalers[loss_id].scale_loss_value(loss)
+            value = self.scalers[loss_id].scale_loss_value(loss)
+            if value.requires_grad and patch.active() is not None:
+                # Backward holds the casts it needs (saved tensors) and frees each as it goes;
+                # the cache holding them too kept every half weight copy alive through
+                # backward and the unscale (O1's memory excess over autocast).
+                value.register_hook(_drop_weight_casts)
+            yield value
             scaled.end(loss.detach(), loss_id=loss_id, delay_unscale=delay_unscale,
                        check=not delay_overflow_check)
         except BaseException:
@@ -391,6 +397,11 @@ class Amp:
         """Take the forward overflow detector's hooks off this session's models (if any)."""
         if self.overflow_watch is not None:
             self.overflow_watch.remove_detector()
+
+
+def _drop_weight_casts(grad: torch.Tensor) -> None:
+    """A tensor hook on the scaled loss: backward starts, the weight-cast cache lets go."""
+    patch.clear_cache()
 
 
 def _short_circuit(loss: torch.Tensor, states: list[OptimizerAmpState]) -> Iterator[torch.Tensor]:

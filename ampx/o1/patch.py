@@ -86,7 +86,7 @@ class PatchSet:
         """(owner, name, value) that puts each replaced attribute's original back by `setattr`.
 
         An inherited original is the raw attribute itself (set on the owner, not deleted).
-        Built once and kept until the set changes (the per-step swap of `ampx.o1.suspend`).
+        Built once and kept until the set changes.
         """
         if self._originals is None:
             self._originals = [(owner, name, raw if own is _MISSING else own)

@@ -10,6 +10,7 @@ guarded read of the per-thread depth.
 from __future__ import annotations
 
 import contextvars
+import sys
 import threading
 import weakref
 from typing import Any
@@ -17,15 +18,79 @@ from typing import Any
 import torch
 import torch._guards
 
-__all__ = ["LOCAL", "casts_disabled", "disable_casts", "eager_depth_when_compiling",
-           "in_compiled_region", "run_region_frames_as_python"]
+__all__ = ["LOCAL", "StepScope", "casts_disabled", "disable_casts", "drop_ended_steps",
+           "eager_depth_when_compiling", "end_step", "in_compiled_region",
+           "run_region_frames_as_python", "start_step"]
 
 # Eager code reads the ContextVar (per thread and per asyncio task). Compiled code cannot
 # trace a ContextVar, so it reads a per-thread depth that dynamo guards (set in __init__ of a
 # threading.local subclass: a class-level default would not be guarded).
-_CASTS_DISABLED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+# Its value is False, True (inside `disable_casts()`) or a `StepScope` (inside an optimizer
+# step): wrappers only truth-test it, and a StepScope's truth is "that step is still running".
+_CASTS_DISABLED: contextvars.ContextVar[object] = contextvars.ContextVar(
     "ampx_casts_disabled", default=False
 )
+
+
+class StepScope:
+    """The casts-disabled value of a thread while one of its optimizer steps runs.
+
+    Set by the step pre-hook (`start_step`) and put back by the post-hook (`end_step`). A step
+    that raises (in the optimizer, in a user hook, a KeyboardInterrupt) skips torch's
+    post-hooks, so the scope knows the frame that ran the hooks (torch's step wrapper) and
+    is true only while that frame is on this thread's stack: the first wrapper that reads it
+    after such a step finds it false, puts the value of before the step back and casts. Only
+    wrappers called while the flag is set pay the walk (a few frames inside a step); outside
+    steps the flag is False.
+    """
+
+    __slots__ = ("frame", "optimizer_id", "previous")
+
+    def __init__(self, frame: Any, optimizer_id: int, previous: object) -> None:
+        self.frame = frame
+        self.optimizer_id = optimizer_id
+        self.previous = previous
+
+    def running(self) -> bool:
+        """Whether the step's frame is still on this thread's stack."""
+        frame: Any = sys._getframe(1)
+        target = self.frame
+        while frame is not None:
+            if frame is target:
+                return True
+            frame = frame.f_back
+        return False
+
+    def __bool__(self) -> bool:
+        if self.running():
+            return True
+        # The step ended without its post-hook: the value of before the step comes back.
+        if _CASTS_DISABLED.get() is self:
+            _CASTS_DISABLED.set(self.previous)
+        return bool(self.previous)
+
+
+def start_step(frame: Any, optimizer_id: int) -> None:
+    """Casts off in this thread (only) until `end_step`, or until `frame` returns or unwinds."""
+    _CASTS_DISABLED.set(StepScope(frame, optimizer_id, _CASTS_DISABLED.get()))
+
+
+def end_step(frame: Any, optimizer_id: int) -> None:
+    """Put back the value of before the matching `start_step` (with it go the scopes of inner
+    steps that raised, stacked above it)."""
+    value = _CASTS_DISABLED.get()
+    while isinstance(value, StepScope):
+        if value.frame is frame and value.optimizer_id == optimizer_id:
+            _CASTS_DISABLED.set(value.previous)
+            return
+        value = value.previous
+
+
+def drop_ended_steps() -> None:
+    """Put back the value of before any step of this thread that raised (cheap when none)."""
+    value = _CASTS_DISABLED.get()
+    if isinstance(value, StepScope):
+        bool(value)
 
 
 class _Local(threading.local):
@@ -47,7 +112,7 @@ _TRACE_DEPTH: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 class _Tokens(threading.local):
     def __init__(self) -> None:
-        self.stack: list[contextvars.Token[bool]] = []
+        self.stack: list[contextvars.Token[object]] = []
 
 
 _RUNTIME = _Tokens()
@@ -87,14 +152,16 @@ def eager_depth_when_compiling() -> int:
         from torch._dynamo.guards import GuardBuilder, install_guard
         from torch._dynamo.source import AttrSource, ImportSource
 
-        local = AttrSource(AttrSource(AttrSource(ImportSource("ampx"), "o1"), "regions"), "LOCAL")
+        local = AttrSource(AttrSource(AttrSource(ImportSource("ampx"), "o1"), "regions"),
+                           "LOCAL")
         install_guard(AttrSource(local, "depth").make_guard(GuardBuilder.EQUALS_MATCH))
     return LOCAL.depth
 
 
 def casts_disabled() -> bool:
-    """True inside `disable_casts()` in the current thread / task (eager code)."""
-    return _CASTS_DISABLED.get()
+    """True inside `disable_casts()` or an optimizer step, in the current thread / task (eager
+    code)."""
+    return bool(_CASTS_DISABLED.get())
 
 
 class disable_casts:  # noqa: N801 - used like a function, as torch.no_grad
@@ -111,7 +178,7 @@ class disable_casts:  # noqa: N801 - used like a function, as torch.no_grad
     """
 
     def __init__(self) -> None:
-        self._tokens: list[contextvars.Token[bool]] = []
+        self._tokens: list[contextvars.Token[object]] = []
 
     def __enter__(self) -> None:
         if torch.compiler.is_compiling():

@@ -338,9 +338,13 @@ class OptimizerAmpState:
         journal.set(self, "stage", Stage.UNSCALED)
 
     def next_flag(self, found: torch.Tensor) -> torch.Tensor:
-        """The step flag after folding in one pass's `found` (a fresh tensor)."""
+        """The step flag after folding in one pass's `found` (a tensor nobody writes later).
+
+        `found` is the pass's own flag, written only before this (kernels, the cross-rank
+        agreement) and never after, so the first pass's flag is used as it is (no copy).
+        """
         if self.found_inf is None:
-            return found.clone()
+            return found
         return torch.maximum(self.found_inf, found.to(self.found_inf.device))
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:

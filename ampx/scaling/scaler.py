@@ -118,6 +118,7 @@ class LossScaler:
         self.overflow_count = 0  # overflows observed by the host (at step time)
         # (scale tensor, its version) while a static scale is known on the host to be 1.0
         self._unit_mark: tuple[torch.Tensor, int] | None = None
+        self._inv_cache: tuple[torch.Tensor, int, torch.Tensor] | None = None  # inv_scale
         self._mark_unit(not self.dynamic and start == 1.0)
 
     # -- device placement -------------------------------------------------------------
@@ -161,8 +162,18 @@ class LossScaler:
         return loss.float() * scale.reshape(())
 
     def inv_scale(self) -> torch.Tensor:
-        """1 / scale as a float32 tensor of shape [1] (no sync)."""
-        return torch.reciprocal(self._scale)
+        """1 / scale as a float32 tensor of shape [1] (no sync); treat it as read-only.
+
+        Computed once per scale tensor and version (a static scale: once for good), so a
+        pass whose scale did not change since the last one launches no kernel for it.
+        """
+        scale = self._scale
+        cached = self._inv_cache
+        if cached is not None and cached[0] is scale and cached[1] == scale._version:
+            return cached[2]
+        inv = torch.reciprocal(scale)
+        self._inv_cache = (scale, scale._version, inv)
+        return inv
 
     def update_(self, found_inf: torch.Tensor) -> None:
         """Update the scale after one backward pass; `found_inf` is a float32 [1] flag."""

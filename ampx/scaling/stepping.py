@@ -20,6 +20,10 @@ counting steps.
   backward, as torch's precision plugins do for GradScaler), decides on its overflow flag, and
   the optimizer's own step (or the stand-in's) receives a closure returning that result.
 - The post-hook commits the step (`after_step`): the O2 master -> model copy and counters.
+- Between the two hooks O1's casts are off in the stepping thread only (`regions.start_step`:
+  the per-thread flag that `disable_casts()` sets, which every wrapper reads); other threads
+  keep casting, and nothing about O1's patches changes. A step that never reaches its
+  post-hook (it raised) turns the flag back by itself as soon as the step's frame is gone.
 - `zero_grad` gets a small instance-level handler (the class's method is untouched): it runs
   the optimizer's own `zero_grad`, then `OptimizerAmpState.zero_grad` (at O2 the half model
   gradients and a pending delay_unscale accumulation are released, as apex's O2 zero_grad did).
@@ -27,13 +31,14 @@ counting steps.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import OrderedDict, defaultdict
 from typing import Any
 
 import torch
 
-from ..o1 import suspend
+from ..o1 import regions
 from .apex_stash import METHOD_NAMES
 from .masters import MasterMap
 from .protocol import ATTR, OptimizerAmpState, SessionHooks, Stage, amp_state_of
@@ -84,7 +89,7 @@ class _ZeroGrad:
         self.original = original  # the instance attribute it replaced, or None
 
     def __call__(self, set_to_none: bool = True) -> None:
-        suspend.resume()  # a step that raised left O1's patches swapped out
+        regions.drop_ended_steps()  # a step of this thread that raised
         optimizer = self._ref()
         if optimizer is None:
             return
@@ -165,7 +170,7 @@ def _standin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
-    suspend.resume()  # a previous step that raised left O1's patches swapped out
+    regions.drop_ended_steps()  # an earlier step of this thread that raised
     state = amp_state_of(optimizer)
     if state is None:
         return None
@@ -177,14 +182,16 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
     if ran:  # the closure first, then the decision on its flag; the step gets its result
         args, kwargs = _with_closure(args, kwargs, _Evaluated(_run_closure(optimizer, closure)))
     decision = state.decide_step(optimizer, closure)
+    result = (args, kwargs) if ran else None
     if decision.skip:
-        return (_standin(optimizer), *args[1:]), kwargs
-    if suspend.for_loop(optimizer):
-        suspend.suspend()  # the step's per-parameter ops run on torch's originals
-    if decision.flag is not None:
+        result = (_standin(optimizer), *args[1:]), kwargs
+    elif decision.flag is not None:
         optimizer.grad_scale = None  # type: ignore[attr-defined]  # already unscaled
         optimizer.found_inf = decision.flag.reshape(())  # type: ignore[attr-defined]
-    return (args, kwargs) if ran else None
+    # Last, so that nothing can raise after it in this hook; the frame is torch's step
+    # wrapper, which also runs the post-hook (a skipped step's stand-in runs casts-off too).
+    regions.start_step(sys._getframe(1), id(optimizer))
+    return result
 
 
 def _run_closure(optimizer: torch.optim.Optimizer, closure: Any) -> Any:
@@ -239,4 +246,4 @@ def _step_post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict)
             vars(optimizer).pop(name, None)
         state.after_step(optimizer)
     finally:
-        suspend.resume()
+        regions.end_step(sys._getframe(1), id(optimizer))

@@ -62,6 +62,10 @@ def plan(cache: ParamCache, stash: dict[int, tuple[torch.Tensor, torch.Tensor]])
         if grad is not None:
             assign.append((master, grad, master.grad))
             clear.append(model_param)
+    if not stash:  # the usual pass (nothing accumulated before it): one comprehension
+        assign += [(param, grad, None) for param in cache.others
+                   if (grad := param.grad) is not None]
+        return UnscaleWork(assign, clear)
     seen = set()
     for param in cache.others:
         stashed = stash.get(id(param))
@@ -87,22 +91,39 @@ def _checkable_in_place(target: torch.Tensor, src: torch.Tensor) -> bool:
             and not src.is_inference())
 
 
+_STRIDED = torch.strided
 _Lists = dict[str, tuple[list[torch.Tensor], list[torch.Tensor], list[int]]]
 _Sparse = list[tuple[int, torch.Tensor, torch.Tensor]]
 
 
 def _classify(work: UnscaleWork, unit_scale: bool
-              ) -> tuple[_Lists, list[torch.Tensor | None], _Sparse]:
-    """Sort `work`'s entries by kernel call; allocate the buffers of the fresh ones."""
+              ) -> tuple[_Lists, list[torch.Tensor | None], _Sparse, list[int]]:
+    """Sort `work`'s entries by kernel call; allocate the buffers of the fresh ones.
+
+    Also returns the indices of dense new gradients going onto sparse earlier ones (added
+    after the kernels)."""
     # kind -> (sources, destinations, indices into work.assign); kinds: fresh buffer,
     # accumulation onto a clone of the earlier gradient, checked in place
     lists: _Lists = {
         kind: ([], [], []) for kind in ("fresh", "accumulate", "in_place")}
     results: list[torch.Tensor | None] = []
     sparse: _Sparse = []
+    mixed: list[int] = []
+    plain = torch.Tensor
     for i, (target, src, earlier) in enumerate(work.assign):
         if src is None:
             results.append(earlier)
+            continue
+        if (earlier is None and unit_scale and type(src) is plain and src.layout is _STRIDED
+                and src.dtype == target.dtype and not src.requires_grad
+                and not src.is_inference()):
+            # the clean path at a unit scale (bf16's default): checked in place, no buffer
+            # (`_checkable_in_place`, inlined: this loop runs once per parameter)
+            srcs, dsts, index = lists["in_place"]
+            srcs.append(src)
+            dsts.append(src)
+            index.append(i)
+            results.append(src)
             continue
         if src.is_sparse:
             if target.dtype == torch.float16:
@@ -119,6 +140,8 @@ def _classify(work: UnscaleWork, unit_scale: bool
             results.append(None)
             continue
         accumulate = earlier is not None and not earlier.is_sparse
+        if earlier is not None and not accumulate:
+            mixed.append(i)  # a dense new gradient onto a sparse earlier one
         if accumulate:
             kind, dst = "accumulate", earlier.clone()  # type: ignore[union-attr]
         elif unit_scale and earlier is None and _checkable_in_place(target, src):
@@ -130,7 +153,7 @@ def _classify(work: UnscaleWork, unit_scale: bool
         dsts.append(dst)
         index.append(i)
         results.append(dst)
-    return lists, results, sparse
+    return lists, results, sparse, mixed
 
 
 def run(work: UnscaleWork, inv_scale: torch.Tensor, found_inf: torch.Tensor,
@@ -143,16 +166,18 @@ def run(work: UnscaleWork, inv_scale: torch.Tensor, found_inf: torch.Tensor,
     is its own new gradient: it is only checked, in place (multiplied by 1, which changes no
     value: nothing is lost if the pass fails), and no buffer is allocated for it.
     """
-    lists, results, sparse = _classify(work, unit_scale)
+    lists, results, sparse, mixed = _classify(work, unit_scale)
     order = [i for kind in lists.values() for i in kind[2]]
     flags = torch.zeros(len(order), dtype=torch.float32, device=found_inf.device) \
         if per_tensor else None
     start = 0
     for kind, (srcs, dsts, _) in lists.items():
+        if not srcs:  # one kernel call per kind that has work, none for the others
+            continue
         part = flags[start:start + len(srcs)] if flags is not None else None
         if kind == "in_place":
             _ext.unscale_(srcs, inv_scale, found_inf, part)
-        elif srcs:
+        else:
             _ext.unscale_into_(srcs, dsts, inv_scale, found_inf, part,
                                accumulate=kind == "accumulate")
         start += len(srcs)
@@ -161,9 +186,8 @@ def run(work: UnscaleWork, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                                       device=out.device, check_invariants=False)
         earlier = work.assign[i][2]
         results[i] = new if earlier is None else earlier + new
-    for i, (_, src, earlier) in enumerate(work.assign):
-        if src is not None and earlier is not None and earlier.is_sparse and not src.is_sparse:
-            results[i] = earlier + results[i]  # type: ignore[operator]
+    for i in mixed:
+        results[i] = work.assign[i][2] + results[i]  # type: ignore[operator]
     work.results = results
     work.flag_params = [work.assign[i][0] for i in order]
     return flags

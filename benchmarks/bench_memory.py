@@ -1,0 +1,123 @@
+"""Peak memory of training: fp32, torch.autocast, ampx O1 and ampx O2 (CPU, bf16 by default).
+
+Each configuration runs in a process of its own (the allocator's state of one would otherwise
+shape the next): imports are done and the model is built before the baseline is read, then
+5 AdamW steps run (zero_grad, forward, loss, backward through `scale_loss` for ampx, step).
+The number is the process's peak resident set (`ru_maxrss`) above that baseline, in MiB:
+everything training adds on top of the built model (gradients, optimizer state, activations
+kept for backward, casts, ampx's bookkeeping). glibc's allocator keeps freed memory mapped,
+so the peak is what matters, not what is resident afterwards.
+
+Models (issue #21): an MLP of 8 x Linear(1024) (ReLU between), batch 64; a 4-layer
+transformer encoder (d_model 512, 8 heads, FFN 2048, dropout off), sequence 128, batch 8.
+
+Run::
+
+    python benchmarks/bench_memory.py [--dtype bf16] [--repeat 3]
+
+Targets (issue #21): O1 <= 1.05 x autocast, O2 <= autocast. `--repeat` runs each
+configuration that many times (separate processes) and reports the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+
+CONFIGS = ("fp32", "autocast", "O1", "O2")
+MODELS = {"mlp": "MLP 8 x Linear(1024), batch 64",
+          "encoder": "encoder 4 x 512, seq 128, batch 8"}
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def child(model_key: str, config: str, dtype_name: str) -> dict[str, float]:
+    """Runs in the child process: the peak above the baseline, in MiB."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import ampx
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float16
+    if model_key == "mlp":
+        layers: list[nn.Module] = []
+        for _ in range(8):
+            layers += [nn.Linear(1024, 1024), nn.ReLU()]
+        model: nn.Module = nn.Sequential(*layers)
+        x, y = torch.randn(64, 1024), torch.randn(64, 1024)
+    else:
+        layer = nn.TransformerEncoderLayer(512, 8, dim_feedforward=2048, dropout=0.0,
+                                           batch_first=True)
+        model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        x, y = torch.randn(8, 128, 512), torch.randn(8, 128, 512)
+    opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    amp = None
+    if config in ("O1", "O2"):
+        amp = ampx.Amp(config, dtype=dtype, verbosity=0)
+        model, opt = amp.initialize(model, opt)
+    baseline = _rss_mib()
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    for _ in range(5):
+        opt.zero_grad(set_to_none=True)
+        if config == "autocast":
+            with torch.autocast("cpu", dtype=dtype):
+                out = model(x)
+        else:
+            out = model(x)
+        loss = F.mse_loss(out.float(), y)
+        if amp is not None:
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        else:
+            loss.backward()
+        opt.step()
+        del out, loss
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"above": peak - baseline, "baseline": baseline, "peak_before": peak_before}
+
+
+def run_one(model_key: str, config: str, dtype: str) -> float:
+    out = subprocess.run([sys.executable, __file__, "--child", model_key, config, dtype],
+                         check=True, capture_output=True, text=True)
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["above"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(*args.child)))
+        return
+    print(f"peak RSS above the built model over 5 AdamW steps, {args.dtype}, one process per "
+          f"run, median of {args.repeat}; load average before: "
+          + " ".join(f"{v:.2f}" for v in os.getloadavg()))
+    print()
+    print("| model | fp32 MiB | autocast MiB | O1 MiB | O2 MiB | O1/autocast | O2/autocast |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for key in args.models:
+        peaks = {c: statistics.median(run_one(key, c, args.dtype) for _ in range(args.repeat))
+                 for c in CONFIGS}
+        print(f"| {MODELS[key]} | " + " | ".join(f"{peaks[c]:.0f}" for c in CONFIGS)
+              + f" | {peaks['O1'] / peaks['autocast']:.2f} | "
+              f"{peaks['O2'] / peaks['autocast']:.2f} |", flush=True)
+    print()
+    print("load average after: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""ampx's fixed per-step cost on the small MLP: where the time of `scale_loss` and the step goes.
+
+Phases, each timed on its own around the same training loop (O1 or O2, AdamW, bf16 or fp16):
+
+- `scale_loss` entry: `scale_loss(...).__enter__()` (begin: stash earlier gradients, scale);
+- `scale_loss` exit: `__exit__` (unscale + non-finite check, the scaler update, the commit);
+- step hooks: ampx's step pre-hook and post-hook, called as torch's step wrapper calls them
+  (the skip decision and its one host sync, the casts-off flag, the O2 master copy at O2,
+  the commit); the optimizer's own update is not run (it is no cost of ampx's);
+- zero_grad handler: `optimizer.zero_grad()` minus the optimizer class's own `zero_grad`
+  (which the handler calls), timed on alternate steps over the same gradients.
+
+The fixed cost is the sum of the four. Each phase is the median over `--steps` steps
+steps (the zero_grad baseline on alternate steps); the load average is printed before and after.
+
+Run::
+
+    python benchmarks/bench_phases.py [--steps 400] [--level O1] [--dtype bf16] [--threads 1]
+
+Target (issue #21): fixed cost <= 100 us on the small MLP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_patching import mlp  # noqa: E402
+
+import ampx  # noqa: E402
+from ampx.scaling.stepping import _step_post_hook, _step_pre_hook  # noqa: E402
+
+PHASES = ("scale_loss entry", "scale_loss exit", "step hooks", "zero_grad handler")
+
+
+def measure(level: str, dtype: str, steps: int) -> dict[str, list[float]]:
+    """Per-phase seconds of `steps` steps (after 20 warm-up steps)."""
+    torch.manual_seed(0)
+    model = mlp()
+    amp = ampx.Amp(level, dtype=dtype, verbosity=0)
+    model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    x, y = torch.randn(8, 64), torch.randn(8, 64)
+    times: dict[str, list[float]] = {p: [] for p in PHASES}
+    handler: list[float] = []
+    own: list[float] = []
+    clock = time.perf_counter
+    try:
+        for i in range(steps + 20):
+            # Odd steps time the handler, even ones the class's own zero_grad (which the
+            # handler calls): the difference of the two medians is the handler's cost.
+            t0 = clock()
+            if i % 2:
+                opt.zero_grad()
+            else:
+                type(opt).zero_grad(opt, True)
+            t1 = clock()
+            loss = F.mse_loss(model(x).float(), y)
+            t3 = clock()
+            ctx = amp.scale_loss(loss, opt)
+            scaled = ctx.__enter__()
+            t4 = clock()
+            scaled.backward()
+            t5 = clock()
+            ctx.__exit__(None, None, None)
+            t6 = clock()
+            args = (opt,)
+            t7 = clock()
+            _step_pre_hook(opt, args, {})
+            _step_post_hook(opt, args, {})
+            t8 = clock()
+            if i >= 20:
+                times["scale_loss entry"].append(t4 - t3)
+                times["scale_loss exit"].append(t6 - t5)
+                times["step hooks"].append(t8 - t7)
+                (handler if i % 2 else own).append(t1 - t0)
+    finally:
+        amp.restore()
+    base = statistics.median(own)
+    times["zero_grad handler"] = [t - base for t in handler]
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--level", default="O1", choices=["O1", "O2"])
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), {args.level} {args.dtype}, "
+          f"small MLP (16 x Linear(64), batch 8), AdamW, {args.steps} steps; load average "
+          "before: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
+    times = measure(args.level, args.dtype, args.steps)
+    print()
+    print("| phase | median us | 25th-75th percentile us |")
+    print("| --- | --- | --- |")
+    total = 0.0
+    for phase in PHASES:
+        q = statistics.quantiles(times[phase], n=4)
+        total += q[1]
+        print(f"| {phase} | {q[1] * 1e6:.0f} | {q[0] * 1e6:.0f}-{q[2] * 1e6:.0f} |")
+    print(f"| fixed per-step cost (sum of medians) | {total * 1e6:.0f} | |")
+    print()
+    print("load average after: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
+
+
+if __name__ == "__main__":
+    main()
