@@ -267,6 +267,9 @@ bool has_cuda() {
 }
 
 }  // namespace
+
+void init_cast_wrapper(PyObject* module);  // cast_wrapper.cpp
+
 }  // namespace ampx
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -286,4 +289,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_cuda", &ampx::has_cuda, "Whether the CUDA kernels were compiled in.");
   m.def("cpu_capability", &ampx::cpu_capability,
         "The CPU instruction set the CPU kernels were compiled for.");
+  ampx::init_cast_wrapper(m.ptr());  // O1's native cast wrapper
 }

@@ -205,6 +205,13 @@ class WeightCastCache:
 
         return cached_cast
 
+    def table(self, dtype: torch.dtype) -> dict:
+        """The live entry table of `dtype` (id(param) -> (param, version, data_ptr, cast)).
+
+        The native O1 wrapper serves hits from it (the same test as `bind`'s closure).
+        """
+        return self._tables.setdefault(dtype, {})
+
     def note_data_access(self, param: torch.Tensor, alias: torch.Tensor | None) -> None:
         """`param.data` was read (giving `alias`) or assigned (`alias` None): forget its casts.
 
