@@ -138,6 +138,28 @@ def per_call(dtype: torch.dtype, rounds: int = 15, calls: int = 20000) -> list[s
     """
     config = patch.CastConfig(dtype=dtype, device_types=frozenset({"cpu"}))
     cases = _per_call_cases(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2x2 ops: an intra-op pool only adds OpenMP noise
+    try:
+        best = _per_call_rounds(config, cases, rounds, calls)
+    finally:
+        torch.set_num_threads(threads)
+    engines = [e for e in ("native", "python", "autocast") if (e, "x + y") in best]
+    lines = [f"per call (us over the plain call; best of {rounds} x {calls} calls, interleaved, "
+             "1 intra-op thread)",
+             f"{'op':14} " + " ".join(f"{e:>10}" for e in engines)
+             + ("   native - autocast" if "native" in engines else "")]
+    for op in cases:
+        over = {e: (best[(e, op)] - best[(e, op + ' plain')]) * 1e6 for e in engines}
+        line = f"{op:14} " + " ".join(f"{over[e]:+10.2f}" for e in engines)
+        if "native" in over:
+            line += f"   {over['native'] - over['autocast']:+.2f}"
+        lines.append(line)
+    return lines
+
+
+def _per_call_rounds(config: patch.CastConfig, cases: dict[str, dict[str, Callable[[], Any]]],
+                     rounds: int, calls: int) -> dict[tuple[str, str], float]:
     engines = ["python", "autocast"]
     if wrappers.native_class() is not None:
         engines.insert(0, "native")
@@ -150,7 +172,7 @@ def per_call(dtype: torch.dtype, rounds: int = 15, calls: int = 20000) -> list[s
                 best[(engine, op + " plain")] = min(best[(engine, op + " plain")],
                                                     _loop(plain, calls))
                 if engine == "autocast":
-                    with torch.autocast("cpu", dtype=dtype):
+                    with torch.autocast("cpu", dtype=config.dtype):
                         elapsed = _loop(wrapped, calls)
                 else:
                     patch.activate(config, native=engine == "native")
@@ -159,22 +181,14 @@ def per_call(dtype: torch.dtype, rounds: int = 15, calls: int = 20000) -> list[s
                     finally:
                         patch.deactivate()
                 best[(engine, op)] = min(best[(engine, op)], elapsed)
-    lines = [f"per call (us over the plain call; best of {rounds} x {calls} calls, interleaved)",
-             f"{'op':14} " + " ".join(f"{e:>10}" for e in engines)
-             + ("   native - autocast" if "native" in engines else "")]
-    for op in cases:
-        over = {e: (best[(e, op)] - best[(e, op + ' plain')]) * 1e6 for e in engines}
-        line = f"{op:14} " + " ".join(f"{over[e]:+10.2f}" for e in engines)
-        if "native" in over:
-            line += f"   {over['native'] - over['autocast']:+.2f}"
-        lines.append(line)
-    return lines
+    return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--rounds", type=int, default=15, help="per-call rounds")
     parser.add_argument("--per-call-only", action="store_true",
                         help="only the per-call overheads (skip the training steps)")
     args = parser.parse_args()
@@ -183,7 +197,8 @@ def main() -> None:
     print("load average (1, 5, 15 min): " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
     if args.per_call_only:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {dtype}")
-        print("\n".join(per_call(dtype)))
+        print("\n".join(per_call(dtype, args.rounds)))
+        print("load average (1, 5, 15 min): " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
         return
     cases = [
         ("MLP 16x64, batch 8", mlp(), torch.randn(8, 64), 20),
@@ -200,7 +215,7 @@ def main() -> None:
         print(f"{name:34} {t['fp32'] * 1e3:9.3f} {t['autocast'] * 1e3:12.3f} "
               f"{t['ampx'] * 1e3:11.3f} {t['autocast'] / t['fp32']:14.2f} "
               f"{t['ampx'] / t['fp32']:8.2f} {t['ampx'] / t['autocast']:12.2f}")
-    print("\n".join(per_call(dtype)))
+    print("\n".join(per_call(dtype, args.rounds)))
     print("load average (1, 5, 15 min): " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
 
 

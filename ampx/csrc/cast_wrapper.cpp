@@ -56,7 +56,6 @@ struct Globals {
   PyObject* disabled = nullptr;  // ampx.o1.regions._CASTS_DISABLED
   PyObject* str_live = nullptr;
   PyObject* str_flag = nullptr;
-  PyObject* str_hits = nullptr;
 };
 Globals G;
 
@@ -88,11 +87,12 @@ struct CastWrapper {
   PyObject* original;
   PyObject* python;  // the reference closure (fallback)
   PyObject* session;  // reads `.live`
-  PyObject* cache;  // WeightCastCache, or None
+  PyObject* counts;  // the cache's [hits, misses] int64 array (WeightCastCache.counters())
   PyObject* table;  // the cache's table for the half dtype (id -> entry), or None
   PyObject* cached;  // the cache's bound Python cast (misses), or None
   PyObject* devices;  // frozenset of device type names
-  Py_ssize_t hits_offset;  // slot offset of cache.hits, or -1
+  Py_buffer counts_view;  // held: the array cannot be resized while it is exported
+  long long* hits;  // counts[0]
   int rule;
   at::ScalarType half;
   at::ScalarType other_half;
@@ -269,41 +269,37 @@ PyObject* to_dtype(const at::Tensor& t, at::ScalarType dtype) {
   END_HANDLE_TH_ERRORS
 }
 
-bool bump_hits(CastWrapper* self) {
-  if (self->hits_offset < 0) {
-    return false;
+// id(param) as the table's key, without allocating an int per lookup: a direct-mapped
+// memo of the int objects (an int's value is the address, so a reused address maps to an
+// equal key, as id() would give).
+struct KeySlot {
+  void* ptr;
+  PyObject* key;
+};
+KeySlot g_keys[512];
+
+PyObject* id_key(PyObject* o) {  // borrowed
+  KeySlot& slot = g_keys[(reinterpret_cast<uintptr_t>(o) >> 4) & 511];
+  if (slot.ptr != o || slot.key == nullptr) {
+    PyObject* key = PyLong_FromVoidPtr(o);
+    if (key == nullptr) {
+      return nullptr;
+    }
+    Py_XSETREF(slot.key, key);
+    slot.ptr = o;
   }
-  PyObject** slot = reinterpret_cast<PyObject**>(reinterpret_cast<char*>(self->cache) +
-                                                  self->hits_offset);
-  PyObject* old = *slot;
-  if (old == nullptr || !PyLong_CheckExact(old)) {
-    return false;
-  }
-  const long long value = PyLong_AsLongLong(old);
-  if (value == -1 && PyErr_Occurred()) {
-    PyErr_Clear();
-    return false;
-  }
-  PyObject* next = PyLong_FromLongLong(value + 1);
-  if (next == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
-  *slot = next;
-  Py_DECREF(old);
-  return true;
+  return slot.key;
 }
 
 // WeightCastCache.bind's closure: the hit path here, a miss (or anything unusual) there.
 PyObject* cached_cast(CastWrapper* self, PyObject* o, const at::Tensor& t) {
   HANDLE_TH_ERRORS
   if (self->table != Py_None) {
-    PyObject* key = PyLong_FromVoidPtr(o);  // id(param)
+    PyObject* key = id_key(o);  // id(param)
     if (key == nullptr) {
       return nullptr;
     }
     PyObject* entry = PyDict_GetItemWithError(self->table, key);  // borrowed
-    Py_DECREF(key);
     if (entry == nullptr && PyErr_Occurred()) {
       return nullptr;
     }
@@ -324,10 +320,9 @@ PyObject* cached_cast(CastWrapper* self, PyObject* o, const at::Tensor& t) {
           if (c.requires_grad() ||
               (!(t.requires_grad() && c10::GradMode::is_enabled()) &&
                !(c.is_inference() && !c10::InferenceMode::is_enabled()))) {
-            if (bump_hits(self)) {
-              Py_INCREF(cast);
-              return cast;
-            }
+            *self->hits += 1;
+            Py_INCREF(cast);
+            return cast;
           }
         }
       }
@@ -526,7 +521,9 @@ PyObject* map_call(CastWrapper* self, PyObject* const* args, size_t nargsf, PyOb
       out[i] = args[i];
       continue;
     }
-    PyObject* m = map(self, args[i], cast);
+    PyTypeObject* tp = Py_TYPE(args[i]);
+    PyObject* m = tp == G.tensor || tp == G.parameter ? cast_tensor(self, args[i], cast)
+                                                      : map(self, args[i], cast);
     if (m == nullptr) {
       for (Py_ssize_t j = 0; j < i; ++j) {
         Py_DECREF(out[j]);
@@ -736,11 +733,11 @@ PyObject* cw_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     PyErr_SetString(PyExc_RuntimeError, "ampx._C.CastWrapper: call _cast_wrapper_setup first");
     return nullptr;
   }
-  PyObject *original, *python, *session, *half, *devices, *cache, *table, *cached;
+  PyObject *original, *python, *session, *half, *devices, *counts, *table, *cached;
   int rule, allow_banned;
   if (!PyArg_ParseTuple(args, "OOOiO!O!pOOO:CastWrapper", &original, &python, &session, &rule,
                         &THPDtypeType, &half, &PyFrozenSet_Type, &devices, &allow_banned,
-                        &cache, &table, &cached)) {
+                        &counts, &table, &cached)) {
     return nullptr;
   }
   if (rule < LOWER || rule > RNN_CHECK) {
@@ -757,19 +754,32 @@ PyObject* cw_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
                     "ampx._C.CastWrapper: lower rules need the cache's table and cast");
     return nullptr;
   }
-  auto* self = reinterpret_cast<CastWrapper*>(type->tp_alloc(type, 0));
-  if (self == nullptr) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(counts, &view, PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
     return nullptr;
   }
+  if (view.itemsize != sizeof(long long) || view.len < 2 * view.itemsize || !view.format ||
+      std::string(view.format) != "q") {
+    PyBuffer_Release(&view);
+    PyErr_SetString(PyExc_TypeError, "ampx._C.CastWrapper: counts must be array('q', [h, m])");
+    return nullptr;
+  }
+  auto* self = reinterpret_cast<CastWrapper*>(type->tp_alloc(type, 0));
+  if (self == nullptr) {
+    PyBuffer_Release(&view);
+    return nullptr;
+  }
+  self->counts_view = view;
+  self->hits = static_cast<long long*>(view.buf);
   self->vectorcall = cw_vectorcall;
-  PyObject* fields[] = {original, python, session, cache, table, cached, devices};
+  PyObject* fields[] = {original, python, session, counts, table, cached, devices};
   for (PyObject* f : fields) {
     Py_INCREF(f);
   }
   self->original = original;
   self->python = python;
   self->session = session;
-  self->cache = cache;
+  self->counts = counts;
   self->table = table;
   self->cached = cached;
   self->devices = devices;
@@ -781,17 +791,6 @@ PyObject* cw_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   for (auto& ok : self->device_ok) {
     ok = -1;
   }
-  // cache.hits as a slot (WeightCastCache has __slots__): incremented in place on a hit.
-  self->hits_offset = -1;
-  if (cache != Py_None) {
-    PyObject* descr = _PyType_Lookup(Py_TYPE(cache), G.str_hits);  // borrowed
-    if (descr != nullptr && Py_TYPE(descr) == &PyMemberDescr_Type) {
-      PyMemberDef* member = reinterpret_cast<PyMemberDescrObject*>(descr)->d_member;
-      if (member->type == T_OBJECT_EX && !(member->flags & READONLY)) {
-        self->hits_offset = member->offset;
-      }
-    }
-  }
   return reinterpret_cast<PyObject*>(self);
 }
 
@@ -800,7 +799,7 @@ int cw_traverse(PyObject* op, visitproc visit, void* arg) {
   Py_VISIT(self->original);
   Py_VISIT(self->python);
   Py_VISIT(self->session);
-  Py_VISIT(self->cache);
+  Py_VISIT(self->counts);
   Py_VISIT(self->table);
   Py_VISIT(self->cached);
   Py_VISIT(self->devices);
@@ -812,7 +811,7 @@ int cw_clear(PyObject* op) {
   Py_CLEAR(self->original);
   Py_CLEAR(self->python);
   Py_CLEAR(self->session);
-  Py_CLEAR(self->cache);
+  Py_CLEAR(self->counts);
   Py_CLEAR(self->table);
   Py_CLEAR(self->cached);
   Py_CLEAR(self->devices);
@@ -821,6 +820,10 @@ int cw_clear(PyObject* op) {
 
 void cw_dealloc(PyObject* op) {
   PyObject_GC_UnTrack(op);
+  auto* self = reinterpret_cast<CastWrapper*>(op);
+  if (self->counts_view.obj != nullptr) {
+    PyBuffer_Release(&self->counts_view);  // before the array reference goes
+  }
   cw_clear(op);
   Py_TYPE(op)->tp_free(op);
 }
@@ -874,8 +877,7 @@ PyObject* setup(PyObject* /*module*/, PyObject* args) {
     G.containers = PyTuple_Pack(3, &PyList_Type, &PyTuple_Type, &PyDict_Type);
     G.str_live = PyUnicode_InternFromString("live");
     G.str_flag = PyUnicode_InternFromString("_is_compiling_flag");
-    G.str_hits = PyUnicode_InternFromString("hits");
-    if (!G.containers || !G.str_live || !G.str_flag || !G.str_hits) {
+    if (!G.containers || !G.str_live || !G.str_flag) {
       return nullptr;
     }
   }

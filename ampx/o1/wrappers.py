@@ -210,8 +210,8 @@ def make_native(python: Callable[..., Any], original: Callable[..., Any], policy
         cached = caster.half_cache_cast()
         table = caster.cache.table(config.dtype)
     native = cls(original, python, session, _RULE_CODES[policy], config.dtype,
-                 frozenset(config.device_types), config.allow_banned, caster.cache, table,
-                 cached)
+                 frozenset(config.device_types), config.allow_banned, caster.cache.counters(),
+                 table, cached)
     functools.update_wrapper(native, original)
     native._ampx_python = python
     native.__ampx_policy__ = policy
