@@ -13,6 +13,7 @@ from torch import nn
 import ampx
 from ampx.o1 import suspend, wrappers
 
+
 @pytest.fixture(autouse=True)
 def _python_wrappers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The counter below sees the closures' frames: install them, not the native wrappers."""
