@@ -280,6 +280,9 @@ std::string cuda_archs() {
 }
 
 }  // namespace
+
+void init_cast_wrapper(PyObject* module);  // cast_wrapper.cpp
+
 }  // namespace ampx
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -322,4 +325,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return std::string("this build has no CUDA kernels");
 #endif
   }, arg("device"), "\"\" when the device can run the CUDA kernels, else why not.");
+  ampx::init_cast_wrapper(m.ptr());  // O1's native cast wrapper
 }

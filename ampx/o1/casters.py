@@ -133,6 +133,7 @@ class Caster:
         self._eligible = {c: _device_predicate(config.device_types, c) for c in (False, True)}
         self._converters: dict[tuple[CastRule, str, bool], Converter] = {}
         self._casts: dict[tuple, TensorCast] = {}
+        self._half_cached: TensorCast | None = None
         # What `@half_function` and friends use in traced code (no dict filled while tracing).
         self.compiled_converters = {policy: self.converter(policy, "", compiled=True)
                                     for policy in (CastRule.LOWER, CastRule.FP32, CastRule.PROMOTE)}
@@ -161,6 +162,7 @@ class Caster:
 
             return to_half_compiled
         cached = self.cache.bind(half, lambda t: t.dtype in lower_from and eligible(t))
+        self._half_cached = cached
         plain = cast_method(half)
         if self.config.verbose:
             def to_half_logged(t: torch.Tensor) -> torch.Tensor:
@@ -182,6 +184,12 @@ class Caster:
             return cached(t) if cacheable(t) else plain(t)
 
         return to_half
+
+    def half_cache_cast(self) -> TensorCast:
+        """The weight cache's cast that the eager half cast calls (a miss casts and stores)."""
+        self.half_cast()
+        assert self._half_cached is not None
+        return self._half_cached
 
     def dtype_cast(self, dtype: torch.dtype, sources: Collection[torch.dtype], name: str = "", *,
                    compiled: bool = False) -> TensorCast:

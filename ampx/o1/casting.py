@@ -5,6 +5,7 @@ Nothing here patches anything: `policies.py`, `patch.py` and `model.py` call the
 
 from __future__ import annotations
 
+import array
 import collections.abc
 import weakref
 from typing import Any, Callable
@@ -148,7 +149,7 @@ class WeightCastCache:
         misses: Casts actually performed.
     """
 
-    __slots__ = ("_aliased", "_refs", "_tables", "__weakref__", "hits", "misses")
+    __slots__ = ("_aliased", "_counts", "_refs", "_tables", "__weakref__")
 
     def __init__(self) -> None:
         # dtype -> id(param) -> (param, version, data_ptr, cast)
@@ -156,8 +157,22 @@ class WeightCastCache:
         self._tables = {}
         self._aliased: dict[int, int] = {}  # id(param) -> live `.data` aliases
         self._refs: set[weakref.ref] = set()
-        self.hits = 0
-        self.misses = 0
+        # [hits, misses] as int64s: the native O1 wrapper counts its hits in place.
+        self._counts = array.array("q", [0, 0])
+
+    @property
+    def hits(self) -> int:
+        """Casts served from the cache since construction."""
+        return self._counts[0]
+
+    @property
+    def misses(self) -> int:
+        """Casts actually performed."""
+        return self._counts[1]
+
+    def counters(self) -> array.array:
+        """The live `[hits, misses]` int64 array (what the native wrapper increments)."""
+        return self._counts
 
     def __len__(self) -> int:
         return sum(len(table) for table in self._tables.values())
@@ -175,7 +190,7 @@ class WeightCastCache:
         grad_enabled = torch.is_grad_enabled
         inference = torch.is_inference_mode_enabled
         aliased = self._aliased
-        cache = self
+        counts = self._counts
 
         def cached_cast(param: torch.Tensor) -> torch.Tensor:
             entry = table.get(id(param))
@@ -193,17 +208,24 @@ class WeightCastCache:
                         )
                     )
                 ):
-                    cache.hits += 1
+                    counts[0] += 1
                     return cast
             if accepts is not None and not accepts(param):
                 return param
             cast = convert(param)
-            cache.misses += 1
+            counts[1] += 1
             if id(param) not in aliased:
                 table[id(param)] = (param, param._version, param.data_ptr(), cast)
             return cast
 
         return cached_cast
+
+    def table(self, dtype: torch.dtype) -> dict:
+        """The live entry table of `dtype` (id(param) -> (param, version, data_ptr, cast)).
+
+        The native O1 wrapper serves hits from it (the same test as `bind`'s closure).
+        """
+        return self._tables.setdefault(dtype, {})
 
     def note_data_access(self, param: torch.Tensor, alias: torch.Tensor | None) -> None:
         """`param.data` was read (giving `alias`) or assigned (`alias` None): forget its casts.

@@ -22,7 +22,7 @@ from .casters import CastConfig, Caster, CastError, casts_disabled, disable_cast
 from .casting import WeightCastCache
 from .lists import CastRule, ListEntry, owner_object, resolve
 from .registry import PATCHES
-from .wrappers import decorator_wrapper, make_wrapper
+from .wrappers import decorator_wrapper, make_native, make_wrapper, native_class
 
 __all__ = [
     "CastConfig",
@@ -143,10 +143,19 @@ class O1Patches:
     Attributes:
         live: True while installed; every wrapper of this installation reads it and passes
             straight through once it is False.
+        native: Whether the wrappers are the extension's C callables (each around its
+            Python closure) rather than the closures themselves.
     """
 
-    def __init__(self, config: CastConfig) -> None:
+    def __init__(self, config: CastConfig, native: bool | None = None) -> None:
         self.config = config
+        # The C wrappers when the extension has them (not for verbose sessions, whose cast
+        # log is the closures'); `native=False` forces the closures.
+        available = native_class() is not None and not config.verbose
+        if native and not available:
+            raise RuntimeError("ampx: the native O1 wrappers need the built extension "
+                               f"({_ext_reason()}) and a non-verbose session")
+        self.native = available if native is None else bool(native)
         self.caster = Caster(config)
         self.patches = PatchSet()
         self.live = False
@@ -160,7 +169,10 @@ class O1Patches:
     def _patch(self, owner: Any, name: str, policy: CastRule, label: str) -> None:
         raw = self.patches.original(owner, name)
         kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
-        wrapper = make_wrapper(raw.__func__ if kind else raw, policy, label, self.caster, self)
+        original = raw.__func__ if kind else raw
+        wrapper = make_wrapper(original, policy, label, self.caster, self)
+        if self.native:
+            wrapper = make_native(wrapper, original, policy, self.caster, self) or wrapper
         self.patches.apply(owner, name, kind(wrapper) if kind else wrapper)
 
     def install(self, entries: list[ListEntry]) -> None:
@@ -230,16 +242,18 @@ def active() -> O1Patches | None:
     return PATCHES.active
 
 
-def activate(config: CastConfig) -> O1Patches:
+def activate(config: CastConfig, native: bool | None = None) -> O1Patches:
     """Install the O1 patches for `config`, replacing any previous installation cleanly.
 
     All or nothing: if installing fails, the previous installation (if any) is put back and
-    torch's namespaces are as they were before the call.
+    torch's namespaces are as they were before the call. `native` picks the wrappers: the
+    extension's C callables (True), the Python closures (False), or the C ones when the
+    extension has them (None, the default).
     """
     compiler.prepare()
     previous = PATCHES.active
     deactivate()
-    patches = O1Patches(config)
+    patches = O1Patches(config, native)
     try:
         patches.install(resolve())
     except BaseException:
@@ -273,6 +287,12 @@ def clear_cache() -> None:
     """Forget the cast weights (called when an iteration ends)."""
     if PATCHES.active is not None:
         PATCHES.active.cache.clear()
+
+
+def _ext_reason() -> str:
+    from .. import _ext
+
+    return _ext.IMPORT_ERROR or "its CastWrapper is missing"
 
 
 def _owner_label(owner: Any) -> str:

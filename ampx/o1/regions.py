@@ -152,8 +152,8 @@ def eager_depth_when_compiling() -> int:
         from torch._dynamo.guards import GuardBuilder, install_guard
         from torch._dynamo.source import AttrSource, ImportSource
 
-        local = AttrSource(AttrSource(AttrSource(ImportSource("ampx"), "o1"), "regions"),
-                           "LOCAL")
+        regions = AttrSource(AttrSource(ImportSource("ampx"), "o1"), "regions")
+        local = AttrSource(regions, "LOCAL")
         install_guard(AttrSource(local, "depth").make_guard(GuardBuilder.EQUALS_MATCH))
     return LOCAL.depth
 

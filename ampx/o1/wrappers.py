@@ -7,6 +7,13 @@ torch's own tables) calls the original untouched. Then it branches on
 `torch.compiler.is_compiling()`: traced code uses the compile converters and the per-thread
 disable depth, eager code the eager converters (weight cache) and the `disable_casts`
 ContextVar.
+
+When the extension is built, `patch.py` installs `make_native`'s wrappers instead: a C
+callable (ampx/csrc/cast_wrapper.cpp) that applies the same rules to eager calls without a
+Python frame, and hands every call it cannot handle exactly (while compiling, under a
+TorchFunctionMode, odd argument types, errors) to the closure, which stays the reference.
+Its Python `__call__` (the closure again) is what dynamo inlines, so compiled code is traced
+through the closure and sees its casts.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from .casting import map_tensors
 from .lists import CastRule
 from .regions import _CASTS_DISABLED, LOCAL, eager_depth_when_compiling, in_compiled_region
 
-__all__ = ["Live", "decorator_wrapper", "make_wrapper"]
+__all__ = ["Live", "decorator_wrapper", "make_native", "make_wrapper", "native_class"]
 
 _Tensor = torch.Tensor
 
@@ -149,6 +156,66 @@ def _convert_wrapper(original: Callable[..., Any], session: Live, eager: Convert
         return original(*args, **kwargs)
 
     return ampx_cast
+
+
+# CastRule -> the rule code of ampx/csrc/cast_wrapper.cpp.
+_RULE_CODES = {rule: code for code, rule in enumerate((
+    CastRule.LOWER, CastRule.FP32, CastRule.PROMOTE, CastRule.SEQUENCE_PROMOTE,
+    CastRule.BANNED, CastRule.INPLACE_MATCH_SELF, CastRule.INPLACE_FP32_ERROR, CastRule.RNN,
+    CastRule.RNN_CHECK))}
+_NATIVE: list[type | None] = []  # the sealed subclass once looked up (None: no extension)
+
+
+def native_class() -> type | None:
+    """The native wrapper type, or None when the extension (or its CastWrapper) is absent."""
+    if not _NATIVE:
+        _NATIVE.append(_build_native_class())
+    return _NATIVE[0]
+
+
+def _build_native_class() -> type | None:
+    from .. import _ext
+
+    module = _ext._native_module()
+    base = getattr(module, "CastWrapper", None)
+    if module is None or base is None:
+        return None
+    module._cast_wrapper_setup(torch.Tensor, torch.nn.Parameter, torch.Size, torch.device,
+                               torch.layout, torch.memory_format, vars(torch.compiler),
+                               _CASTS_DISABLED)
+
+    class NativeCastWrapper(base):  # type: ignore[misc, valid-type]
+        """O1's native cast wrapper. Eager calls run the C call slot; dynamo inlines this
+        `__call__`, the reference closure, so compiled graphs hold the closure's casts."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return self._ampx_python(*args, **kwargs)
+
+    module._seal_cast_wrapper(NativeCastWrapper)
+    return NativeCastWrapper
+
+
+def make_native(python: Callable[..., Any], original: Callable[..., Any], policy: CastRule,
+                caster: Caster, session: Live) -> Callable[..., Any] | None:
+    """The native wrapper for `original` around the closure `python` (None: not available).
+
+    Not for verbose sessions (the cast log is the closure's).
+    """
+    cls = native_class()
+    config = caster.config
+    if cls is None or config.verbose:
+        return None
+    table = cached = None
+    if policy in (CastRule.LOWER, CastRule.RNN):
+        cached = caster.half_cache_cast()
+        table = caster.cache.table(config.dtype)
+    native = cls(original, python, session, _RULE_CODES[policy], config.dtype,
+                 frozenset(config.device_types), config.allow_banned, caster.cache.counters(),
+                 table, cached)
+    functools.update_wrapper(native, original)
+    native._ampx_python = python
+    native.__ampx_policy__ = policy
+    return native
 
 
 def decorator_wrapper(fn: Callable[..., Any], policy: CastRule,

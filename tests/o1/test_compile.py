@@ -37,7 +37,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampx
-from ampx.o1 import patch
+from ampx.o1 import patch, wrappers
 from ampx.o1 import regions as cast_regions
 from ampx.o1.regions import LOCAL
 
@@ -179,6 +179,25 @@ def test_no_graph_breaks(name: str) -> None:
     explained = torch._dynamo.explain(make())(data())
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
+
+
+@pytest.mark.skipif(wrappers.native_class() is None, reason="the native extension is not built")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_native_wrappers_compile_through_their_closures(backend: str) -> None:
+    """Dynamo inlines the native wrappers' Python `__call__` (the closure): eager O1's result
+    and dtype, one graph, fullgraph. (The tests above run with the native wrappers too
+    whenever the extension is built.)"""
+    model, x = MLP(), torch.randn(4, 16)
+    patch.activate(patch.CastConfig(dtype=torch.bfloat16, device_types=frozenset({"cpu"})),
+                   native=True)
+    assert type(vars(F)["linear"]) is wrappers.native_class()
+    expected = model(x)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    out = torch.compile(model, backend=backend, fullgraph=True)(x)
+    assert out.dtype == expected.dtype == torch.float32  # softmax last: float32
+    tol = 0 if backend != "inductor" else 1e-2
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
 
 
 class _Recorded(Exception):

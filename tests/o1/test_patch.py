@@ -176,7 +176,7 @@ def test_registration_overrides_list_entry_without_double_wrapping() -> None:
     ampx.initialize(nn.Linear(2, 2), opt_level="O1", verbosity=0)
     ampx.register_float_function(torch, "matmul")
     wrapper = vars(torch)["matmul"]
-    assert isinstance(wrapper, types.FunctionType) and wrapper.__wrapped__ is original
+    assert callable(wrapper) and wrapper.__wrapped__ is original  # native or closure
     assert wrapper.__ampx_policy__ is CastRule.FP32
     h = torch.rand(2, 2, dtype=torch.float16)
     assert torch.matmul(h, h).dtype == torch.float32
