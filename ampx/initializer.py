@@ -20,7 +20,7 @@ from .model import ModelCast, cast_model, check_models, device_types_of
 from .o1 import patch
 from .options.levels import OptionError
 from .scaling import apex_stash
-from .scaling.masters import MasterMap, optimizer_params, recast_state
+from .scaling.masters import MasterMap, install_masters, optimizer_params, recast_state
 from .scaling.protocol import SessionHooks
 from .scaling.stepping import attach, check_optimizers
 
@@ -130,6 +130,7 @@ def prepare(session: Any, inputs: Inputs, policy: SessionHooks) -> Prepared:
             undo.append(casts[-1].undo)
         for opt in inputs.optimizers:
             undo.append(_optimizer_undo(opt))
+            install_masters(opt, masters)
             if props.cast_model_type is not None:
                 recast_state(opt)
             attach(opt, session, masters, policy)

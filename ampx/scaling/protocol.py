@@ -144,6 +144,12 @@ class OptimizerAmpState:
     _cache: ParamCache | None = None
 
     # -- views -----------------------------------------------------------------------------
+    def use_masters(self) -> None:
+        """Masters are about to be used: they take what was written into the model since
+        initialize (DDP's broadcast, a load on one rank), then stop following it."""
+        if self.masters.watching:
+            self.masters.follow()
+
     def cache(self, optimizer: torch.optim.Optimizer) -> ParamCache:
         """The parameter views, after adopting groups added since the last call."""
         self._groups_seen = _masters.adopt_new_groups(
@@ -216,6 +222,7 @@ class OptimizerAmpState:
                 "ampx.scale_loss: this optimizer is already inside a scale_loss block; nest "
                 "no scale_loss blocks over the same optimizer (finish the first one)."
             )
+        self.use_masters()
         cache = self.cache(optimizer)
         journal = Journal()
         try:
@@ -353,6 +360,7 @@ class OptimizerAmpState:
                 "(ampx: step(closure) cannot be combined with loss scaling; run the closure's "
                 "loss through ampx.scale_loss and call step() without a closure.)"
             )
+        self.use_masters()
         self.cache(optimizer)
         decision = StepDecision()
         found = self.found_inf
