@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .o1.casting import cast_tree
 from .options.values import HALF_DTYPES
@@ -289,10 +290,7 @@ def _cast_weights(model: nn.Module, dtype: torch.dtype, keep_bn: bool | None,
                     done.add(id(param))
                 elif id(param) not in done and param.dtype != target and (
                         not kept or param.dtype in HALF_DTYPES):
-                    undo.append(functools.partial(_set_data, param, param.data, param.grad))
-                    param.data = param.data.to(target)
-                    if param.grad is not None:
-                        param.grad = param.grad.to(target)
+                    _cast_param(param, target, undo)
                     done.add(id(param))
             for name, buf in list(module._buffers.items()):
                 if (buf is not None and buf.is_floating_point() and buf.dtype != target
@@ -315,13 +313,37 @@ def _split(module: nn.Module, name: str, param: nn.Parameter, dtype: torch.dtype
     """
     master = nn.Parameter(param.detach().float().clone(), requires_grad=param.requires_grad)
     grad = param.grad
-    record.undo_log.append(functools.partial(_set_data, param, param.data, grad))
     param.grad = None
-    param.data = param.data.to(dtype)
+    try:
+        _cast_param(param, dtype, record.undo_log)
+    except BaseException:
+        param.grad = grad
+        raise
     master.grad = None if grad is None else grad.detach().float().clone()
     record.masters.add(param, master)
     record.undo_log.append(functools.partial(record.masters.discard, param))
     return param
+
+
+def _cast_param(param: nn.Parameter, dtype: torch.dtype, undo: list[Callable[[], None]]) -> None:
+    """Give `param` (and its gradient) `dtype` in place, keeping the Parameter object.
+
+    A tensor subclass with inner tensors (FSDP2's DTensor shards) is cast by swapping contents
+    with a cast copy, as `nn.Module._apply` does (``.data =`` would leave its local shard
+    float32); anything else gets new ``.data``.
+    """
+    if is_traceable_wrapper_subclass(param):
+        cast = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+        if param.grad is not None:
+            cast.grad = param.grad.to(dtype)
+        torch.utils.swap_tensors(param, cast)
+        undo.append(functools.partial(torch.utils.swap_tensors, param, cast))
+        return
+    undo.append(functools.partial(_set_data, param, param.data, param.grad))
+    grad = param.grad
+    param.grad = None
+    param.data = param.data.to(dtype)
+    param.grad = None if grad is None else grad.to(dtype)
 
 
 def _set_data(param: nn.Parameter, data: torch.Tensor, grad: torch.Tensor | None) -> None:

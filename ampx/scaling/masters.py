@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..distributed import local
+
 __all__ = ["MasterMap", "ParamCache", "adopt_new_groups", "build_cache", "install_masters",
            "optimizer_params", "recast_state"]
 
@@ -75,7 +77,8 @@ class MasterMap:
         with torch.no_grad():
             for key, (model_param, version) in list(self._watch.items()):
                 master = self.master_of(model_param)
-                if master is not None and model_param._version != version:
+                if master is not None and (model_param._version != version
+                                           or not _same_value(model_param, master)):
                     master.copy_(model_param)
                     followed += 1
                 del self._watch[key]
@@ -102,6 +105,13 @@ class MasterMap:
     def __len__(self) -> int:
         return len(self._by_id)
 
+
+
+def _same_value(model_param: torch.Tensor, master: torch.Tensor) -> bool:
+    """Whether the model parameter still holds its master's value (catches `.data` writes,
+    which bypass the version counter). Local shards only: no collective."""
+    model_local, master_local = local(model_param), local(master)
+    return torch.equal(model_local, master_local.to(model_local.dtype))
 
 
 @dataclass(eq=False)
