@@ -66,8 +66,10 @@ def _case(rank: int, level: str, dtype: str, wrap: str, start: str) -> dict[str,
         checkpoint = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(3))
                       for k, v in _model(seed=11).state_dict().items()}
         if wrap == "fsdp2":  # FSDP2's way: rank 0 holds the full checkpoint, the rest nothing
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                                 set_model_state_dict)
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+            )
             set_model_state_dict(model, checkpoint if rank == 0 else {}, options=StateDictOptions(
                 full_state_dict=True, broadcast_from_rank0=True))
         elif rank == 0:
@@ -80,7 +82,7 @@ def _case(rank: int, level: str, dtype: str, wrap: str, start: str) -> dict[str,
         net = model
     loaded = None
     if level == "O2" and start == "rank0-load":  # what the masters start from
-        amp_state = getattr(opt, "_ampx")
+        amp_state = opt._ampx
         amp_state.use_masters()
         full = [m.full_tensor() if hasattr(m, "full_tensor") else m
                 for m in ampx.master_params(opt)]

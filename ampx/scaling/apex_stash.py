@@ -319,8 +319,9 @@ def _lazy_init_maybe_master_weights(optimizer: torch.optim.Optimizer) -> None:
 
     As in apex this is the point where the masters are fixed: they take what was written into
     the model since initialize and then stop following it, so masters copied in right after
-    (NVIDIA's BERT resume) survive a DDP wrap that follows. With master weights, the gradients of the masters and of the fp32 parameters are then
-    set to None, as apex's lazy init did. The optimizer state is already keyed by (and of the
+    (NVIDIA's BERT resume) survive a DDP wrap that follows. With master weights, the
+    gradients of the masters and of the fp32 parameters are then set to None, as apex's lazy
+    init did. The optimizer state is already keyed by (and of the
     dtype of) the parameters it steps, so apex's state-dict round trip is not needed.
     """
     if _master_weights(optimizer):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import warnings
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
