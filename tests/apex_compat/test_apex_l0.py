@@ -174,7 +174,7 @@ def test_scaler_driven_by_hand_like_apex() -> None:
     assert static._unskipped == 1
 
 
-# -- apex.normalization's function names ------------------------------------------------------------
+# -- apex.normalization's function names --------------------------------------------------------
 
 def test_fused_layer_norm_functions_match_torch(half_dtype: torch.dtype) -> None:
     x = torch.randn(3, 5, 8, dtype=half_dtype, requires_grad=True)

@@ -1,4 +1,5 @@
-"""`apex.normalization` for legacy scripts: FusedLayerNorm, FusedRMSNorm and the Mixed forms.
+"""`apex.normalization` for legacy scripts: FusedLayerNorm, FusedRMSNorm, the Mixed forms and
+apex's function names (`FusedLayerNormAffineFunction.apply`, `fused_layer_norm_affine`, ...).
 
 ampx implementations of apex's normalization modules with apex's signatures, parameter names
 (`weight`, `bias`, so state dicts load both ways) and its fused kernels' dtype contract, built
@@ -24,7 +25,8 @@ from torch import nn
 from . import missing_name
 
 __all__ = ["FusedLayerNorm", "FusedLayerNormAffineFunction",
-           "FusedLayerNormAffineMixedDtypesFunction", "FusedLayerNormFunction", "FusedRMSNorm", "FusedRMSNormAffineFunction",
+           "FusedLayerNormAffineMixedDtypesFunction", "FusedLayerNormFunction", "FusedRMSNorm",
+           "FusedRMSNormAffineFunction",
            "FusedRMSNormAffineMixedDtypesFunction", "FusedRMSNormFunction",
            "MixedFusedLayerNorm", "MixedFusedRMSNorm", "fused_layer_norm",
            "fused_layer_norm_affine", "fused_rms_norm", "fused_rms_norm_affine",

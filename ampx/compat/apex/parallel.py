@@ -12,11 +12,14 @@ ampx implementations of apex's data-parallel names, mapped onto torch's:
   ``retain_allreduce_buffers``, ``num_allreduce_streams``, ``allreduce_communicators`` and
   ``prof`` steered when and on which CUDA streams apex launched its all-reduces; torch's
   reducer decides that itself, so they are accepted and change nothing (the gradients are the
-  same). A process group must be initialized first, as in apex.
+  same). A process group must be initialized first, as in apex. Unlike torch's, it accepts
+  ampx's `SyncBatchNorm` on CPU ranks.
 - `SyncBatchNorm` is a `torch.nn.SyncBatchNorm` with apex's signature (`channel_last`,
   `fuse_relu`, the `z` residual input); it also synchronizes on CPU (gloo), where torch's
   refuses, and computes statistics in float32 for half inputs.
 - `convert_syncbn_model` swaps every batchnorm layer for a `SyncBatchNorm`.
+- `flat_dist_call` and the other helpers of `apex.parallel.distributed` (NVIDIA's BERT imports
+  them), and `Reducer`.
 - `LARC` is `ampx.compat.apex.larc.LARC`.
 """
 
