@@ -123,13 +123,12 @@ class Fp32StateDict(_MastersRef):
 
     def __call__(self, module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
         masters = self.masters()
-        if masters is not None:
-            masters.follow()  # before the first backward, masters take what DDP broadcast
         for name, param in module.named_parameters(prefix=prefix[:-1], remove_duplicate=False):
             value = state.get(name)
             if value is None or not value.is_floating_point() or value.dtype == torch.float32:
                 continue
-            master = masters.master_of(param) if masters is not None else None
+            # before first use a master written over in the model (DDP) saves the model's value
+            master = masters.current(param) if masters is not None else None
             state[name] = master.detach() if master is not None else value.float()
         for name, _ in module.named_buffers(prefix=prefix[:-1], remove_duplicate=False):
             value = state.get(name)

@@ -55,6 +55,17 @@ class MasterMap:
         if self.master_of(model_param) is not None:
             self._watch[id(model_param)] = (model_param, model_param._version)  # type: ignore[assignment]
 
+    def current(self, model_param: torch.Tensor) -> torch.Tensor | None:
+        """The master's value as `follow` would leave it, without fixing anything (None: no
+        master). A state dict taken on one rank before DDP's wrap must not stop the follow."""
+        master = self.master_of(model_param)
+        watched = self._watch.get(id(model_param))
+        if master is None or watched is None or watched[0] is not model_param:
+            return master
+        if model_param._version != watched[1] or not _same_value(model_param, master):
+            return model_param.detach().float()
+        return master
+
     @property
     def watching(self) -> bool:
         """Whether some master still follows its model parameter."""

@@ -139,3 +139,19 @@ def test_submodule_attached_after_initialize_saves_and_loads_its_master(
     model.load_state_dict(checkpoint)
     assert torch.equal(ampx.master_params(opt)[-2], full["weight"])  # the master, unrounded
     assert torch.equal(model.state_dict()["head.weight"], full["weight"])
+
+
+def test_state_dict_before_first_use_does_not_stop_the_follow(half_dtype: torch.dtype) -> None:
+    """A rank-0-only `model.state_dict()` between initialize and DDP's wrap must not freeze
+    rank 0's masters (the other ranks would still follow the broadcast)."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = ampx.initialize(model, opt, opt_level="O2", dtype=half_dtype, verbosity=0)
+    before = model.state_dict()["0.weight"].clone()
+    assert torch.equal(before, ampx.master_params(opt)[0])  # full precision
+    value = _net(seed=5)[0].weight.detach().to(half_dtype)
+    with torch.no_grad():
+        model[0].weight.copy_(value)  # the broadcast, after that state dict
+    assert torch.equal(model.state_dict()["0.weight"], value.float())
+    _step(model, opt)
+    assert torch.equal(ampx.master_params(opt)[0], value.float())
