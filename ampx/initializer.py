@@ -157,7 +157,7 @@ def _optimizer_undo(opt: torch.optim.Optimizer) -> Callable[[], None]:
     hooks: tuple[dict[int, Any], ...] = (opt._optimizer_step_pre_hooks,
                                          opt._optimizer_step_post_hooks)
     hook_keys = [set(h) for h in hooks]
-    state = {p: dict(s) for p, s in opt.state.items()}
+    state = {p: (s, dict(s)) for p, s in opt.state.items()}  # O2 moves entries to masters
     groups = [list(g["params"]) for g in opt.param_groups]
     attrs = dict(vars(opt))  # attach adds `_ampx` and an instance `zero_grad`
 
@@ -165,11 +165,11 @@ def _optimizer_undo(opt: torch.optim.Optimizer) -> Callable[[], None]:
         for live, keys in zip(hooks, hook_keys):
             for key in [k for k in live if k not in keys]:
                 del live[key]
-        for param in [p for p in opt.state if p not in state]:
-            del opt.state[param]
-        for param, saved in state.items():
-            opt.state[param].clear()
-            opt.state[param].update(saved)
+        opt.state.clear()  # the same entry objects, in their order
+        for param, (entry, saved) in state.items():
+            entry.clear()
+            entry.update(saved)
+            opt.state[param] = entry
         for group, params in zip(opt.param_groups, groups):
             group["params"][:] = params
         for name in [a for a in vars(opt) if a not in attrs]:

@@ -312,12 +312,8 @@ def _split(module: nn.Module, name: str, param: nn.Parameter, dtype: torch.dtype
     """
     master = nn.Parameter(param.detach().float().clone(), requires_grad=param.requires_grad)
     grad = param.grad
-    param.grad = None
-    try:
-        _cast_param(param, dtype, record.undo_log)
-    except BaseException:
-        param.grad = grad
-        raise
+    _cast_param(param, dtype, record.undo_log)  # its undo puts the original gradient back
+    param.grad = None  # an earlier gradient belongs to the master now
     master.grad = None if grad is None else grad.detach().float().clone()
     record.masters.add(param, master)
     record.undo_log.append(functools.partial(record.masters.discard, param))
