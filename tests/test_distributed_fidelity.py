@@ -70,7 +70,8 @@ def _case(rank: int, level: str, dtype: str, wrap: str, start: str) -> dict[str,
                 StateDictOptions,
                 set_model_state_dict,
             )
-            set_model_state_dict(model, checkpoint if rank == 0 else {}, options=StateDictOptions(
+            given = {k: v.clone() for k, v in checkpoint.items()} if rank == 0 else {}
+            set_model_state_dict(model, given, options=StateDictOptions(  # (rewrites `given`)
                 full_state_dict=True, broadcast_from_rank0=True))
         elif rank == 0:
             model.load_state_dict(checkpoint)
@@ -87,9 +88,10 @@ def _case(rank: int, level: str, dtype: str, wrap: str, start: str) -> dict[str,
         full = [m.full_tensor() if hasattr(m, "full_tensor") else m
                 for m in ampx.master_params(opt)]
         half = torch.float16 if dtype == "fp16" else torch.bfloat16
-        # DDP broadcast rank 0's half weights: every rank's masters are made from them
-        want = [checkpoint[k] if wrap == "fsdp2" else checkpoint[k].to(half).float()
-                for k in ("0.weight", "0.bias", "2.weight", "2.bias")]
+        # DDP broadcasts rank 0's half weights, and FSDP2's broadcast_from_rank0 writes into
+        # the half shards: every rank's masters follow those (apex's precision)
+        want = [checkpoint[k].to(half).float() for k in ("0.weight", "0.bias", "2.weight",
+                                                          "2.bias")]
         loaded = all(torch.equal(a.detach(), b) for a, b in zip(full, want))
     for step in range(STEPS):
         opt.zero_grad()
