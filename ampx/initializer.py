@@ -21,7 +21,7 @@ from .o1 import patch
 from .options.levels import OptionError
 from .scaling import apex_stash
 from .scaling.journal import Journal
-from .scaling.masters import MasterMap, optimizer_params, recast_state
+from .scaling.masters import MasterMap, install_masters, optimizer_params, recast_state
 from .scaling.protocol import SessionHooks
 from .scaling.stepping import attach, check_optimizers
 
@@ -133,6 +133,7 @@ def prepare(session: Any, inputs: Inputs, policy: SessionHooks) -> Prepared:
             journal.record(casts[-1].undo)
         for opt in inputs.optimizers:
             journal.record(_optimizer_undo(opt))  # a snapshot: safe before any change
+            install_masters(opt, masters)
             if props.cast_model_type is not None:
                 recast_state(opt)
             attach(opt, session, masters, policy)
@@ -157,7 +158,7 @@ def _optimizer_undo(opt: torch.optim.Optimizer) -> Callable[[], None]:
     hooks: tuple[dict[int, Any], ...] = (opt._optimizer_step_pre_hooks,
                                          opt._optimizer_step_post_hooks)
     hook_keys = [set(h) for h in hooks]
-    state = {p: dict(s) for p, s in opt.state.items()}
+    state = {p: (s, dict(s)) for p, s in opt.state.items()}  # O2 moves entries to masters
     groups = [list(g["params"]) for g in opt.param_groups]
     attrs = dict(vars(opt))  # attach adds `_ampx` and an instance `zero_grad`
 
@@ -165,11 +166,11 @@ def _optimizer_undo(opt: torch.optim.Optimizer) -> Callable[[], None]:
         for live, keys in zip(hooks, hook_keys):
             for key in [k for k in live if k not in keys]:
                 del live[key]
-        for param in [p for p in opt.state if p not in state]:
-            del opt.state[param]
-        for param, saved in state.items():
-            opt.state[param].clear()
-            opt.state[param].update(saved)
+        opt.state.clear()  # the same entry objects, in their order
+        for param, (entry, saved) in state.items():
+            entry.clear()
+            entry.update(saved)
+            opt.state[param] = entry
         for group, params in zip(opt.param_groups, groups):
             group["params"][:] = params
         for name in [a for a in vars(opt) if a not in attrs]:

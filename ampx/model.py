@@ -12,11 +12,13 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .o1.casting import cast_tree
 from .options.values import HALF_DTYPES
@@ -115,23 +117,24 @@ class Fp32StateDict(_MastersRef):
     """State-dict post-hook: half entries of a module come out as float32.
 
     Split (O2) parameters come out as their fp32 masters, so saving `model.state_dict()` loses
-    no precision and loading it back restores the masters exactly.
+    no precision and loading it back restores the masters exactly. Each hook covers the
+    module's whole subtree (a submodule attached after initialize has no hook of its own);
+    entries already float32 are skipped, so nested hooks cost a dtype check each.
     """
 
     def __call__(self, module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
         masters = self.masters()
-        for name, param in module._parameters.items():
-            key = prefix + name
-            value = state.get(key)
+        for name, param in module.named_parameters(prefix=prefix[:-1], remove_duplicate=False):
+            value = state.get(name)
             if value is None or not value.is_floating_point() or value.dtype == torch.float32:
                 continue
-            master = masters.master_of(param) if masters is not None and param is not None else None
-            state[key] = master.detach() if master is not None else value.float()
-        for name in module._buffers:
-            key = prefix + name
-            value = state.get(key)
+            # before first use a master written over in the model (DDP) saves the model's value
+            master = masters.current(param) if masters is not None else None
+            state[name] = master.detach() if master is not None else value.float()
+        for name, _ in module.named_buffers(prefix=prefix[:-1], remove_duplicate=False):
+            value = state.get(name)
             if value is not None and value.dtype in HALF_DTYPES:
-                state[key] = value.float()
+                state[name] = value.float()
 
 
 class LoadIntoMasters(_MastersRef):
@@ -142,6 +145,7 @@ class LoadIntoMasters(_MastersRef):
     put the (float32) checkpoint tensors in place of the cast parameters, breaking forward and
     the optimizer's link: instead, values are copied into the existing parameters (which
     the state dict then hands back to torch), and buffers are assigned in their cast dtype.
+    Like `Fp32StateDict`, each hook covers its module's subtree.
     """
 
     def __call__(self, module: nn.Module, state: dict, prefix: str, local_metadata: Any,
@@ -149,24 +153,37 @@ class LoadIntoMasters(_MastersRef):
         masters = self.masters()
         assign = bool(local_metadata.get("assign_to_params_buffers", False))
         with torch.no_grad():
-            for name, param in module._parameters.items():
-                key = prefix + name
+            for key, param in module.named_parameters(prefix=prefix[:-1],
+                                                      remove_duplicate=False):
                 value = state.get(key)
-                if (param is None or not isinstance(value, torch.Tensor)
+                if (not isinstance(value, torch.Tensor) or value is param
                         or value.shape != param.shape or not param.is_floating_point()):
-                    continue
+                    continue  # (`value is param`: an outer module's hook handled it)
                 master = masters.master_of(param) if masters is not None else None
                 if master is not None:
                     master.copy_(value)
                 if assign:
                     param.copy_(value)
                     state[key] = param
-            for name, buf in module._buffers.items():
-                key = prefix + name
+            for key, buf in module.named_buffers(prefix=prefix[:-1], remove_duplicate=False):
                 value = state.get(key)
-                if (assign and buf is not None and isinstance(value, torch.Tensor)
+                if (assign and isinstance(value, torch.Tensor)
                         and buf.is_floating_point() and value.dtype != buf.dtype):
                     state[key] = value.to(buf.dtype)
+
+
+class TrackLoaded(_MastersRef):
+    """Load-state-dict post-hook: loaded masters are the truth, not a change to follow.
+
+    torch copies the loaded values into the half parameters after `LoadIntoMasters` set the
+    masters; that write must not make the masters follow the (rounded) half values.
+    """
+
+    def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
+        masters = self.masters()
+        if masters is not None:
+            for param in module.parameters():
+                masters.track(param)
 
 
 @dataclass
@@ -216,9 +233,9 @@ def cast_model(
         dtype: Target dtype, or None to leave the weights alone (O1 with cast_model_outputs).
         keep_batchnorm_fp32: Leave affine batchnorm modules in float32.
         split_params: ids of parameters that an optimizer holds and that need fp32 masters
-            (O2): these are replaced in the model by new half parameters, and the original
-            objects stay in the optimizer as the float32 masters (a parameter that was
-            already half gets float32 data).
+            (O2): these are cast in place like the others (the model keeps its Parameter
+            objects) and each gets a new float32 master in the session's master map, which
+            `install_masters` puts in the optimizer in place of the parameter.
         cast_outputs: Dtype of the forward outputs (None: no output cast).
         masters: The session's master map (shared by its models and optimizers, so masters
             added later by `add_param_group` are saved and loaded too); a new one if None.
@@ -236,9 +253,11 @@ def cast_model(
             if dtype != torch.float32:
                 hook = Fp32StateDict(record.masters)
                 loader = LoadIntoMasters(record.masters)
+                loaded = TrackLoaded(record.masters)
                 for module in model.modules():
                     record.handles.append(module.register_state_dict_post_hook(hook))
                     record.handles.append(module.register_load_state_dict_pre_hook(loader))
+                    record.handles.append(module.register_load_state_dict_post_hook(loaded))
         if cast_outputs is not None:
             record.handles.append(model.register_forward_hook(OutputCast(cast_outputs)))
     except BaseException:
@@ -267,12 +286,10 @@ def _cast_weights(model: nn.Module, dtype: torch.dtype, keep_bn: bool | None,
                     setattr(module, name, replaced[id(param)])
                 elif id(param) in split_params and not kept:
                     replaced[id(param)] = _split(module, name, param, dtype, record)
+                    done.add(id(param))
                 elif id(param) not in done and param.dtype != target and (
                         not kept or param.dtype in HALF_DTYPES):
-                    undo(functools.partial(_set_data, param, param.data, param.grad))
-                    param.data = param.data.to(target)
-                    if param.grad is not None:
-                        param.grad = param.grad.to(target)
+                    _cast_param(param, target, undo)
                     done.add(id(param))
             for name, buf in list(module._buffers.items()):
                 if (buf is not None and buf.is_floating_point() and buf.dtype != target
@@ -284,23 +301,44 @@ def _cast_weights(model: nn.Module, dtype: torch.dtype, keep_bn: bool | None,
 
 def _split(module: nn.Module, name: str, param: nn.Parameter, dtype: torch.dtype,
            record: ModelCast) -> nn.Parameter:
-    """Put a new `dtype` copy of `param` in the model; `param` stays behind as its master.
+    """Cast `param` to `dtype` in place and make its fp32 master (a new Parameter).
 
-    A master that is half precision itself (the model was `.half()`-ed before initialize)
-    gets float32 data, so O2 always steps float32 masters.
+    The model keeps its Parameter objects, as apex did: hooks registered on them, DDP's
+    reducer and anything else holding them see the half parameter the model computes with.
+    The master is a float32 copy of the value before the cast (no rounding); initialize puts
+    it in the optimizer in place of `param`. Until the first backward it follows the model
+    (`MasterMap.follow`): a write into `param` (DDP's broadcast, an in-place init) replaces it.
     """
-    half = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
-    if param.dtype in HALF_DTYPES:
-        record.journal.record(functools.partial(_set_data, param, param.data, param.grad))
-        grad = param.grad
-        param.grad = None
-        param.data = param.data.float()
-        param.grad = None if grad is None else grad.float()
-    record.journal.record(functools.partial(record.masters.discard, half))
-    record.masters.add(half, param)
-    record.journal.record(functools.partial(setattr, module, name, param))
-    setattr(module, name, half)
-    return half
+    master = nn.Parameter(param.detach().float().clone(), requires_grad=param.requires_grad)
+    grad = param.grad
+    _cast_param(param, dtype, record.journal.record)  # its undo puts the original gradient back
+    param.grad = None  # an earlier gradient belongs to the master now
+    master.grad = None if grad is None else grad.detach().float().clone()
+    record.masters.add(param, master)
+    record.journal.record(functools.partial(record.masters.discard, param))
+    return param
+
+
+def _cast_param(param: nn.Parameter, dtype: torch.dtype,
+                undo: Callable[[Callable[[], None]], None]) -> None:
+    """Give `param` (and its gradient) `dtype` in place, keeping the Parameter object.
+
+    A tensor subclass with inner tensors (FSDP2's DTensor shards) is cast by swapping contents
+    with a cast copy, as `nn.Module._apply` does (``.data =`` would leave its local shard
+    float32); anything else gets new ``.data``.
+    """
+    if is_traceable_wrapper_subclass(param):
+        cast = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+        if param.grad is not None:
+            cast.grad = param.grad.to(dtype)
+        torch.utils.swap_tensors(param, cast)
+        undo(functools.partial(torch.utils.swap_tensors, param, cast))
+        return
+    undo(functools.partial(_set_data, param, param.data, param.grad))
+    grad = param.grad
+    param.grad = None
+    param.data = param.data.to(dtype)
+    param.grad = None if grad is None else grad.to(dtype)
 
 
 def _set_data(param: nn.Parameter, data: torch.Tensor, grad: torch.Tensor | None) -> None:

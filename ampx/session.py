@@ -243,7 +243,9 @@ class Amp:
                 f"ampx.scale_loss: loss_id={loss_id} but num_losses={len(self.scalers)}; pass "
                 "num_losses=N to initialize to get N loss scalers."
             )
-        if not self.scales_gradients:  # apex's short-circuit (O0, O3 with fp16)
+        if not self.scales_gradients and self.scalers[loss_id].unit_scale():
+            # apex's short-circuit (O0, O3 with fp16) while the static scale is 1.0; a scale
+            # written since (`_loss_scale = 4.0`, apex's L0 tests) scales and unscales
             yield from _short_circuit(loss, states)
             return
 

@@ -65,8 +65,10 @@ def test_cast_model_undo_restores_everything() -> None:
     buffers = {n: b for n, b in model.named_buffers()}
     record = cast_model(model, torch.float16, keep_batchnorm_fp32=False,
                         split_params={id(model[0].weight)}, cast_outputs=torch.float32)
-    assert model[0].weight is not params["0.weight"][0]
+    assert model[0].weight is params["0.weight"][0]  # the model keeps its Parameter objects
+    assert record.masters.master_of(model[0].weight).dtype == torch.float32
     record.undo()
+    assert len(record.masters) == 0
     for name, p in model.named_parameters():
         assert p is params[name][0] and p.dtype == torch.float32
         assert torch.equal(p, params[name][1])

@@ -191,8 +191,9 @@ class AmpStash:
     `all_fp32_grad_stash`). Other attributes a script sets are kept, as on apex's plain object.
 
     Attributes:
-        lazy_init_called: Always True: ampx makes the masters at initialize. Writing a bool is
-            accepted (NVIDIA's BERT resume writes True) and changes nothing.
+        lazy_init_called: Always True: ampx makes the masters at initialize (they follow the
+            model until first used, see `MasterMap`). Writing a bool is accepted (NVIDIA's
+            BERT resume writes True) and changes nothing.
         already_patched: Whether the next `step()` will be skipped for non-finite gradients
             (apex patched `step` to skip it). Read-only; reading syncs with the device once.
         params_have_scaled_gradients: Whether a `delay_unscale` backward left scaled gradients.
@@ -316,11 +317,15 @@ class AmpStash:
 def _lazy_init_maybe_master_weights(optimizer: torch.optim.Optimizer) -> None:
     """apex: make the masters. ampx made them at initialize; groups added since get theirs.
 
-    With master weights, the gradients of the masters and of the fp32 parameters are then
-    set to None, as apex's lazy init did. The optimizer state is already keyed by (and of the
+    As in apex this is the point where the masters are fixed: they take what was written into
+    the model since initialize and then stop following it, so masters copied in right after
+    (NVIDIA's BERT resume) survive a DDP wrap that follows. With master weights, the
+    gradients of the masters and of the fp32 parameters are then set to None, as apex's lazy
+    init did. The optimizer state is already keyed by (and of the
     dtype of) the parameters it steps, so apex's state-dict round trip is not needed.
     """
     if _master_weights(optimizer):
+        _state(optimizer).use_masters()
         for _, master in _pairs(optimizer):
             master.grad = None
         for param in _non_masters(optimizer):

@@ -3,7 +3,8 @@
 `load` checks every entry before any is applied: the keys (only `loss_scalerN`, no index
 twice), each entry's fields and types, that each value fits the scaler's device storage (the
 scale is a float32, the counters are int32), and that the entry suits the scaler it goes to
-(a dynamic entry for a dynamic scaler; a static scaler only takes its own scale). Then the new
+(as apex, any scale for a dynamic scaler; a static scaler keeps its own scale, which is
+configuration, with one warning when the entry's differs, and takes the counters). Then the new
 state of every scaler is built as fresh tensors and installed with undoable assignments, so a
 malformed checkpoint, or an interrupt, changes nothing.
 """
@@ -124,30 +125,43 @@ def check_entry(scaler: ScalerLike, state: Any, key: str) -> dict[str, Any]:
     """Validate an entry for `scaler` without applying it.
 
     Raises:
-        CheckpointError: Naming the key, for a malformed entry, one that does not fit the
-            scaler's storage, one saved by a scaler of the other kind, or (static scalers)
-            one with another scale.
+        CheckpointError: Naming the key, for a malformed entry (wrong types, a non-finite,
+            zero or negative scale, negative counters) or one that does not fit the
+            scaler's storage. A static scaler given another scale keeps its own (warning).
     """
     checked = validate_entry(state, key)
     dynamic = checked.get("dynamic")
-    mine = "dynamic" if scaler.dynamic else f"static (loss_scale={scaler.loss_scale()})"
-    if dynamic is not None and dynamic != scaler.dynamic:
-        saved = "dynamic" if dynamic else f"static (loss_scale={checked['loss_scale']})"
-        raise _fail(f"{key} was saved by a {saved} loss scaler, but loss scaler "
-                    f"{scaler.loss_id} of this session is {mine}. Initialize with the same "
-                    "loss_scale and dtype as the run that saved it, or don't load the amp "
-                    "state to start scaling afresh.")
+    saved = "dynamic" if dynamic else "static" if dynamic is not None else "apex"
     if not scaler.dynamic and checked["loss_scale"] != scaler.loss_scale():
-        raise _fail(f"{key} has loss_scale={checked['loss_scale']} (an apex fp16 checkpoint's "
-                    f"dynamic scale?), but loss scaler {scaler.loss_id} of this session is "
-                    f"{mine}: a static scale is configuration, not state. Initialize with "
-                    "the loss_scale of the run that saved it, or don't load the amp state.")
+        # apex assigned any scale; a static scale is this session's configuration (bf16 runs
+        # resuming an fp16 checkpoint land here): keep it, take the counters, say so once.
+        warnings.warn(
+            f"ampx.load_state_dict: {key} has loss_scale={checked['loss_scale']} ({saved} "
+            f"checkpoint), but loss scaler {scaler.loss_id} of this session is static "
+            f"(loss_scale={scaler.loss_scale()}); keeping {scaler.loss_scale()}. Pass "
+            f"loss_scale={checked['loss_scale']} (or \"dynamic\") to initialize to use the "
+            "checkpoint's scale.", stacklevel=_stacklevel())
+        checked["loss_scale"] = scaler.loss_scale()
+    elif scaler.dynamic and dynamic is False:
+        logger.info("ampx.load_state_dict: %s was saved by a static loss scaler; this "
+                    "session's dynamic scaler %d continues from its scale %s (as apex did).",
+                    key, scaler.loss_id, checked["loss_scale"])
     differs = {f: checked[f] for f in POLICY_FIELDS
                if f in checked and checked[f] != getattr(scaler, f)}
     if differs and scaler.dynamic:
         logger.info("ampx.load_state_dict: %s was saved with %s; keeping this session's "
                     "settings.", key, differs)
     return checked
+
+
+def _stacklevel() -> int:
+    """The user's frame for warnings: the first frame outside ampx."""
+    import sys
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("ampx"):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
 
 
 def new_state(scaler: ScalerLike, checked: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ views.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,22 +21,83 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MasterMap", "ParamCache", "adopt_new_groups", "build_cache", "optimizer_params",
-           "recast_state"]
+from ..distributed import local
+
+__all__ = ["MasterMap", "ParamCache", "adopt_new_groups", "build_cache", "install_masters",
+           "optimizer_params", "recast_state"]
+
+logger = logging.getLogger("ampx")
 
 
 class MasterMap:
     """model (half) parameter -> fp32 master, for the O2 split.
 
     Referenced weakly from module hooks, so copying a model never copies the optimizer's masters.
+
+    Masters follow their model parameters until they are first used (apex made them at that
+    point, from the model): `add` and `track` note each model parameter's version counter, and
+    `follow` gives every master whose model parameter was written since then (DDP's broadcast
+    from rank 0, an in-place init, a copy by hand) the model's value, then stops watching.
+    A master that was not followed keeps its full float32 value.
     """
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+        self._watch: dict[int, tuple[nn.Parameter, int]] = {}
 
     def add(self, model_param: nn.Parameter, master: nn.Parameter) -> None:
-        """Record that `master` is the fp32 copy behind `model_param`."""
+        """Record that `master` is the fp32 copy behind `model_param` (watched until `follow`)."""
         self._by_id[id(model_param)] = (model_param, master)
+        self._watch[id(model_param)] = (model_param, model_param._version)
+
+    def track(self, model_param: torch.Tensor) -> None:
+        """Watch `model_param` again from its current value (its master was just loaded)."""
+        if self.master_of(model_param) is not None:
+            self._watch[id(model_param)] = (model_param, model_param._version)  # type: ignore[assignment]
+
+    def current(self, model_param: torch.Tensor) -> torch.Tensor | None:
+        """The master's value as `follow` would leave it, without fixing anything (None: no
+        master). A state dict taken on one rank before DDP's wrap must not stop the follow."""
+        master = self.master_of(model_param)
+        watched = self._watch.get(id(model_param))
+        if master is None or watched is None or watched[0] is not model_param:
+            return master
+        if model_param._version != watched[1] or not _same_value(model_param, master):
+            return model_param.detach().float()
+        return master
+
+    @property
+    def watching(self) -> bool:
+        """Whether some master still follows its model parameter."""
+        return bool(self._watch)
+
+    def follow(self) -> int:
+        """Masters whose model parameter was written since `add`/`track` take its value.
+
+        Called when masters are first used (the first scaled backward or step, a state dict,
+        apex's `_lazy_init_maybe_master_weights`); afterwards nothing is watched until a load
+        calls `track`. Every rank of a DDP job sees the same broadcast write, so every rank
+        makes the same masters from the same half values (apex's precision there).
+
+        Returns:
+            How many masters took their model parameter's value.
+        """
+        if not self._watch:
+            return 0
+        followed = 0
+        with torch.no_grad():
+            for key, (model_param, version) in list(self._watch.items()):
+                master = self.master_of(model_param)
+                if master is not None and (model_param._version != version
+                                           or not _same_value(model_param, master)):
+                    master.copy_(model_param)
+                    followed += 1
+                del self._watch[key]
+        if followed:
+            logger.info("ampx: %d fp32 master(s) took the value written into their model "
+                        "parameter after initialize (a DDP broadcast, a copy or an init)",
+                        followed)
+        return followed
 
     def master_of(self, model_param: torch.Tensor) -> nn.Parameter | None:
         """The master of `model_param`, or None."""
@@ -45,6 +107,7 @@ class MasterMap:
     def discard(self, model_param: nn.Parameter) -> None:
         """Forget the master of `model_param` (initialize's undo, the fp32 fallback)."""
         self._by_id.pop(id(model_param), None)
+        self._watch.pop(id(model_param), None)
 
     def pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """Every (model_param, master) pair."""
@@ -53,6 +116,13 @@ class MasterMap:
     def __len__(self) -> int:
         return len(self._by_id)
 
+
+
+def _same_value(model_param: torch.Tensor, master: torch.Tensor) -> bool:
+    """Whether the model parameter still holds its master's value (catches `.data` writes,
+    which bypass the version counter). Local shards only: no collective."""
+    model_local, master_local = local(model_param), local(master)
+    return torch.equal(model_local, master_local.to(model_local.dtype))
 
 
 @dataclass(eq=False)
@@ -139,6 +209,22 @@ def adopt_new_groups(optimizer: torch.optim.Optimizer, masters: MasterMap, seen:
                     masters.add(param, master)
                     params[i] = master
     return len(groups)
+
+
+def install_masters(optimizer: torch.optim.Optimizer, masters: MasterMap) -> None:
+    """O2: put each master in place of its model parameter in the optimizer's groups.
+
+    The parameter's optimizer state (loaded before initialize) moves to the master, as apex's
+    lazy init did; `recast_state` then makes it float32.
+    """
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, param in enumerate(params):
+            master = masters.master_of(param)
+            if master is not None:
+                params[i] = master
+                if param in optimizer.state:
+                    optimizer.state[master] = optimizer.state.pop(param)
 
 
 def recast_state(optimizer: torch.optim.Optimizer) -> None:

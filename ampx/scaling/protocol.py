@@ -153,6 +153,12 @@ class OptimizerAmpState:
     _cache: ParamCache | None = None
 
     # -- views -----------------------------------------------------------------------------
+    def use_masters(self) -> None:
+        """Masters are about to be used: they take what was written into the model since
+        initialize (DDP's broadcast, a load on one rank), then stop following it."""
+        if self.masters.watching:
+            self.masters.follow()
+
     def cache(self, optimizer: torch.optim.Optimizer) -> ParamCache:
         """The parameter views, after adopting groups added since the last call."""
         self._groups_seen = _masters.adopt_new_groups(
@@ -248,6 +254,7 @@ class OptimizerAmpState:
                 "ampx.scale_loss: this optimizer is already inside a scale_loss block; nest "
                 "no scale_loss blocks over the same optimizer (finish the first one)."
             )
+        self.use_masters()
         self._heal(optimizer)
         cache = self.cache(optimizer)
         own = journal is None
@@ -389,6 +396,7 @@ class OptimizerAmpState:
                 "delay_unscale before step()." if self.stage is Stage.SCALED else
                 "optimizer.step() was called inside a scale_loss block; step after the block."
             )
+        self.use_masters()
         self._heal(optimizer)
         cache = self.cache(optimizer)
         decision = StepDecision()

@@ -333,6 +333,72 @@ class LossScaler:
     def _max_loss_scale(self) -> float:
         return self.max_loss_scale
 
+    # -- apex's methods for scripts that drive the scaler by hand ---------------------------
+    @property
+    def _has_overflow(self) -> bool:
+        """Whether a hand-driven `unscale` since `clear_overflow_state` saw inf/NaN (syncs)."""
+        return bool(self._manual_found().item() > 0)
+
+    def _manual_found(self) -> torch.Tensor:
+        found = getattr(self, "_hand_found", None)
+        if found is None or found.device != self.device:
+            found = self._hand_found = torch.zeros(1, dtype=torch.float32, device=self.device)
+        return found
+
+    def clear_overflow_state(self) -> None:
+        """apex: forget the overflow seen by earlier hand-driven `unscale` calls."""
+        self._manual_found().zero_()
+
+    def unscale(self, model_grads: list[torch.Tensor], master_grads: list[torch.Tensor],
+                unused_scale: Any = None, models_are_masters: bool = False,
+                scale_override: float | None = None) -> None:
+        """apex: ``master = model / scale`` (in place when they are the same), flag inf/NaN.
+
+        Args:
+            model_grads: The scaled gradients.
+            master_grads: Where the unscaled gradients go (float32 in apex's O2).
+            unused_scale: Ignored (apex's signature).
+            models_are_masters: The lists are the same tensors (unscale in place).
+            scale_override: Divide by this instead of the current scale.
+        """
+        inv = self._inverse(scale_override)
+        found = self._manual_found()
+        pairs = [(m, d) for m, d in zip(model_grads, master_grads) if m is not None]
+        same = [m for m, d in pairs if models_are_masters or m is d]
+        apart = [(m, d) for m, d in pairs if not (models_are_masters or m is d)]
+        _ext.unscale_(same, inv, found)
+        _ext.unscale_into_([m for m, _ in apart], [d for _, d in apart], inv, found)
+
+    def unscale_with_stashed(self, model_grads: list[torch.Tensor],
+                             stashed_master_grads: list[torch.Tensor],
+                             master_grads: list[torch.Tensor],
+                             scale_override: Any = None) -> None:
+        """apex: ``master = model / scale + stashed``; only the new gradients are checked."""
+        grads_scale = scale_override[0] if isinstance(scale_override, tuple) else None
+        inv = self._inverse(grads_scale)
+        found = self._manual_found()
+        for model, stashed, out in zip(model_grads, stashed_master_grads, master_grads):
+            if out is not stashed:
+                out.copy_(stashed)
+            _ext.unscale_into_([model], [out], inv, found, accumulate=True)
+
+    def update_scale(self) -> bool:
+        """apex: update the scale from the hand-driven overflow flag; True: skip this step.
+
+        A static scaler never skips (apex) and counts the step as clean.
+
+        .. note:: Synchronises with the device once.
+        """
+        found = self._manual_found()
+        overflow = bool(found.item() > 0)
+        self.update_(found.clone() if self.dynamic else torch.zeros_like(found))
+        return overflow and self.dynamic
+
+    def _inverse(self, scale: float | None) -> torch.Tensor:
+        if scale is None:
+            return self.inv_scale()
+        return torch.full((1,), 1.0 / float(scale), dtype=torch.float32, device=self.device)
+
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """apex's two keys (`loss_scale`, `unskipped`) plus ampx's full state.

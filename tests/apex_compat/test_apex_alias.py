@@ -74,8 +74,6 @@ def test_other_apex_packages_name_their_replacement(alias: None) -> None:
         importlib.import_module("apex.parallel.multiproc")
     with pytest.raises(ImportError, match=r"torch\.optim\.Adagrad"):
         from apex.optimizers import FusedAdagrad  # noqa: F401
-    with pytest.raises(ImportError, match="torch.distributed.all_reduce"):
-        from apex.parallel import Reducer  # noqa: F401
     with pytest.raises(ImportError, match="weight_norm"):
         from apex.fp16_utils import Fused_Weight_Norm  # noqa: F401
     with pytest.raises(ImportError, match="InstanceNorm3d"):

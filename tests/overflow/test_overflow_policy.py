@@ -180,7 +180,9 @@ def test_o2_fallback_gives_the_module_its_fp32_masters(half_dtype: torch.dtype) 
     if half_dtype == torch.float16:
         assert not torch.isfinite(model(x)).all()
     swapped = fp32_params_o2(model[1], state.masters.master_of)
-    assert [m for _, m in swapped] == originals  # the optimizer's own fp32 tensors
+    stepped = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert [h for h, _ in swapped] == originals  # the model's own Parameters were split
+    assert all(id(m) in stepped for _, m in swapped)  # the optimizer's own fp32 tensors
     assert all(p.dtype == torch.float32 for p in model[1].parameters())
     assert all(p.dtype == half_dtype for p in model[2].parameters())
     fallback = Fp32Fallback(model[1], disable_casts=False, cast_back=True)

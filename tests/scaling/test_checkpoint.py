@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,12 @@ def test_round_trip_through_torch_save_weights_only(tmp_path: Path):
     ({"loss_scaler0": {"loss_scale": 1.0, "unskipped": 0},
       "loss_scaler1": {"unskipped": 0}}, "loss_scaler1"),
     ({"loss_scaler0": {"loss_scale": 1.0, "unskipped": 0},
-      "loss_scaler1": {"loss_scale": 1.0, "unskipped": 0, "dynamic": False}}, "loss_scaler1"),
+      "loss_scaler1": {"loss_scale": -2.0, "unskipped": 0, "dynamic": False}}, "loss_scaler1"),
+    ({"loss_scaler0": {"loss_scale": float("nan"), "unskipped": 0}}, "loss_scaler0"),
+    ({"loss_scaler0": {"loss_scale": float("inf"), "unskipped": 0}}, "loss_scaler0"),
+    ({"loss_scaler0": {"loss_scale": "4.0", "unskipped": 0}}, "loss_scaler0"),
+    ({"loss_scaler0": {"loss_scale": True, "unskipped": 0}}, "loss_scaler0"),
+    ({"loss_scaler0": {"loss_scale": 4.0, "unskipped": -1}}, "loss_scaler0"),
     ([("loss_scaler0", {})], "expected a dict"),
 ])
 def test_malformed_checkpoint_raises_naming_key_and_loads_nothing(bad, needle):
@@ -263,13 +269,23 @@ def test_duplicate_indices_are_refused():
 
 
 def test_apex_fp16_entry_does_not_rescale_a_static_bf16_scaler():
+    """apex assigned any scale; ampx keeps a static scale (configuration) with one warning,
+    takes the counters, and keeps refusing corrupt entries."""
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ampx.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
     before = ampx.state_dict()
     assert before["loss_scaler0"]["dynamic"] is False
-    with pytest.raises(CheckpointError, match="static"):
+    with pytest.warns(UserWarning, match=r"static \(loss_scale=1.0\); keeping 1.0") as seen:
         ampx.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 17}})
-    assert ampx.state_dict() == before
-    ampx.load_state_dict({"loss_scaler0": {"loss_scale": 1.0, "unskipped": 17}})  # same scale
-    assert ampx.state_dict()["loss_scaler0"]["unskipped"] == 17
+    assert len(seen) == 1 and seen[0].filename == __file__  # one warning, at the caller
+    after = ampx.state_dict()["loss_scaler0"]
+    assert after["loss_scale"] == 1.0 and after["unskipped"] == 17
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ampx.load_state_dict({"loss_scaler0": {"loss_scale": 1.0, "unskipped": 3}})  # same
+    assert ampx.state_dict()["loss_scaler0"]["unskipped"] == 3
+    for corrupt in (float("nan"), -1.0, "1024", None):
+        with pytest.raises(CheckpointError, match="loss_scale"):
+            ampx.load_state_dict({"loss_scaler0": {"loss_scale": corrupt, "unskipped": 17}})
+    assert ampx.state_dict()["loss_scaler0"]["unskipped"] == 3

@@ -51,11 +51,17 @@ def test_same_object_same_class_step_not_replaced(half_dtype):
 def test_master_params_valid_right_after_initialize(half_dtype):
     model = mlp()
     originals = list(model.parameters())
+    before = [o.detach().clone() for o in originals]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = ampx.initialize(model, opt, opt_level="O2", dtype=half_dtype, verbosity=0)
     masters = list(ampx.master_params(opt))
-    assert all(m is o for m, o in zip(masters, originals))  # the user's fp32 Parameters
+    split = [o.dtype == half_dtype for o in originals]
+    # new fp32 masters for the half parameters (apex's way); fp32 batchnorm is stepped itself
+    assert all((m is not o) == s for m, o, s in zip(masters, originals, split))
     assert all(m.dtype == torch.float32 for m in masters)
+    # the model keeps the user's Parameter objects
+    assert [id(p) for p in model.parameters()] == [id(o) for o in originals]
+    assert all(torch.equal(m, b) for m, b in zip(masters, before))  # not rounded
     halves = [p for p in model.parameters() if p.dtype == half_dtype]
     assert len(halves) == 4  # the two Linear layers; batchnorm stays fp32
     assert isinstance(model[1].weight, nn.Parameter) and model[1].weight.dtype == torch.float32

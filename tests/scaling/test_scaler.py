@@ -240,14 +240,16 @@ def test_malformed_entry_raises_naming_key_and_changes_nothing(entry, needle):
     assert s.loss_scale() == 32.0 and s._unskipped == 0
 
 
-def test_dynamic_static_mismatch_raises():
+def test_dynamic_static_mismatch_follows_apex():
+    """apex assigned the saved scale either way: a dynamic scaler continues from a static
+    entry's scale; a static scaler keeps its own (configuration) with a warning."""
     static = LossScaler(1.0)
-    with pytest.raises(ValueError, match="dynamic loss scaler"):
+    with pytest.warns(UserWarning, match="keeping 1.0"):
         static.load_state_dict(LossScaler("dynamic").state_dict(), "loss_scaler0")
+    assert static.loss_scale() == 1.0 and static.unit_scale()
     dynamic = LossScaler("dynamic")
-    with pytest.raises(ValueError, match="static"):
-        dynamic.load_state_dict(static.state_dict(), "loss_scaler0")
-    assert dynamic.loss_scale() == 2.0**16
+    dynamic.load_state_dict(LossScaler(8.0).state_dict(), "loss_scaler0")
+    assert dynamic.loss_scale() == 8.0 and dynamic.dynamic
 
 
 # -- overflow storms recover (issue 9 item 8) ----------------------------------------------------

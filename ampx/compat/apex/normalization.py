@@ -1,4 +1,5 @@
-"""`apex.normalization` for legacy scripts: FusedLayerNorm, FusedRMSNorm and the Mixed forms.
+"""`apex.normalization` for legacy scripts: FusedLayerNorm, FusedRMSNorm, the Mixed forms and
+apex's function names (`FusedLayerNormAffineFunction.apply`, `fused_layer_norm_affine`, ...).
 
 ampx implementations of apex's normalization modules with apex's signatures, parameter names
 (`weight`, `bias`, so state dicts load both ways) and its fused kernels' dtype contract, built
@@ -23,12 +24,16 @@ from torch import nn
 
 from . import missing_name
 
-__all__ = ["FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm"]
+__all__ = ["FusedLayerNorm", "FusedLayerNormAffineFunction",
+           "FusedLayerNormAffineMixedDtypesFunction", "FusedLayerNormFunction", "FusedRMSNorm",
+           "FusedRMSNormAffineFunction",
+           "FusedRMSNormAffineMixedDtypesFunction", "FusedRMSNormFunction",
+           "MixedFusedLayerNorm", "MixedFusedRMSNorm", "fused_layer_norm",
+           "fused_layer_norm_affine", "fused_rms_norm", "fused_rms_norm_affine",
+           "mixed_dtype_fused_layer_norm_affine", "mixed_dtype_fused_rms_norm_affine"]
 
 _MISSING = {
     "InstanceNorm3dNVFuser": "torch.nn.InstanceNorm3d",
-    "FusedLayerNormAffineFunction": "torch.nn.functional.layer_norm",
-    "FusedRMSNormAffineFunction": "torch.nn.functional.rms_norm",
 }
 
 Shape = int | Sequence[int] | torch.Size
@@ -203,3 +208,105 @@ class MixedFusedRMSNorm(FusedRMSNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Normalize `input`; the result has the parameters' dtype."""
         return rms_norm(input, self.normalized_shape, self.weight, self.eps, self.weight.dtype)
+
+
+# -- apex's autograd-function and functional names (fused_layer_norm.py) ---------------------------
+# NVIDIA's BERT and Megatron-style code call `FusedLayerNormAffineFunction.apply(x, weight, bias,
+# shape, eps)` directly. Here `apply` runs the same float32-statistics computation as the
+# modules (autograd flows through torch's ops); the Mixed forms return the weight's dtype.
+
+class FusedLayerNormAffineFunction:
+    """apex's ``FusedLayerNormAffineFunction``: ``apply(input, weight, bias, shape, eps)``."""
+
+    @staticmethod
+    def apply(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+              normalized_shape: Shape, eps: float, memory_efficient: bool = False
+              ) -> torch.Tensor:
+        return layer_norm(input, _shape(normalized_shape), weight, bias, eps, input.dtype)
+
+
+class FusedLayerNormAffineMixedDtypesFunction:
+    """apex's mixed form: as `FusedLayerNormAffineFunction`, output in the weight's dtype."""
+
+    @staticmethod
+    def apply(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+              normalized_shape: Shape, eps: float, memory_efficient: bool = False
+              ) -> torch.Tensor:
+        return layer_norm(input, _shape(normalized_shape), weight, bias, eps, weight.dtype)
+
+
+class FusedLayerNormFunction:
+    """apex's ``FusedLayerNormFunction``: ``apply(input, shape, eps)`` (no affine)."""
+
+    @staticmethod
+    def apply(input: torch.Tensor, normalized_shape: Shape, eps: float,
+              memory_efficient: bool = False) -> torch.Tensor:
+        return layer_norm(input, _shape(normalized_shape), None, None, eps, input.dtype)
+
+
+class FusedRMSNormAffineFunction:
+    """apex's ``FusedRMSNormAffineFunction``: ``apply(input, weight, shape, eps)``."""
+
+    @staticmethod
+    def apply(input: torch.Tensor, weight: torch.Tensor, normalized_shape: Shape, eps: float,
+              memory_efficient: bool = False) -> torch.Tensor:
+        return rms_norm(input, _shape(normalized_shape), weight, eps, input.dtype)
+
+
+class FusedRMSNormAffineMixedDtypesFunction:
+    """apex's mixed form: as `FusedRMSNormAffineFunction`, output in the weight's dtype."""
+
+    @staticmethod
+    def apply(input: torch.Tensor, weight: torch.Tensor, normalized_shape: Shape, eps: float,
+              memory_efficient: bool = False) -> torch.Tensor:
+        return rms_norm(input, _shape(normalized_shape), weight, eps, weight.dtype)
+
+
+class FusedRMSNormFunction:
+    """apex's ``FusedRMSNormFunction``: ``apply(input, shape, eps)`` (no affine)."""
+
+    @staticmethod
+    def apply(input: torch.Tensor, normalized_shape: Shape, eps: float,
+              memory_efficient: bool = False) -> torch.Tensor:
+        return rms_norm(input, _shape(normalized_shape), None, eps, input.dtype)
+
+
+def fused_layer_norm_affine(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                            normalized_shape: Shape, eps: float = 1e-6,
+                            memory_efficient: bool = False) -> torch.Tensor:
+    """apex's functional affine layer norm (output in the input's dtype)."""
+    return FusedLayerNormAffineFunction.apply(input, weight, bias, normalized_shape, eps)
+
+
+def mixed_dtype_fused_layer_norm_affine(input: torch.Tensor, weight: torch.Tensor,
+                                        bias: torch.Tensor, normalized_shape: Shape,
+                                        eps: float = 1e-6, memory_efficient: bool = False
+                                        ) -> torch.Tensor:
+    """apex's functional mixed layer norm (output in the weight's dtype)."""
+    return FusedLayerNormAffineMixedDtypesFunction.apply(input, weight, bias, normalized_shape,
+                                                         eps)
+
+
+def fused_layer_norm(input: torch.Tensor, normalized_shape: Shape, eps: float = 1e-6,
+                     memory_efficient: bool = False) -> torch.Tensor:
+    """apex's functional layer norm without affine parameters."""
+    return FusedLayerNormFunction.apply(input, normalized_shape, eps)
+
+
+def fused_rms_norm_affine(input: torch.Tensor, weight: torch.Tensor, normalized_shape: Shape,
+                          eps: float = 1e-6, memory_efficient: bool = False) -> torch.Tensor:
+    """apex's functional affine RMS norm (output in the input's dtype)."""
+    return FusedRMSNormAffineFunction.apply(input, weight, normalized_shape, eps)
+
+
+def mixed_dtype_fused_rms_norm_affine(input: torch.Tensor, weight: torch.Tensor,
+                                      normalized_shape: Shape, eps: float = 1e-6,
+                                      memory_efficient: bool = False) -> torch.Tensor:
+    """apex's functional mixed RMS norm (output in the weight's dtype)."""
+    return FusedRMSNormAffineMixedDtypesFunction.apply(input, weight, normalized_shape, eps)
+
+
+def fused_rms_norm(input: torch.Tensor, normalized_shape: Shape, eps: float = 1e-6,
+                   memory_efficient: bool = False) -> torch.Tensor:
+    """apex's functional RMS norm without a weight."""
+    return FusedRMSNormFunction.apply(input, normalized_shape, eps)

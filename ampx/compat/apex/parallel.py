@@ -12,11 +12,14 @@ ampx implementations of apex's data-parallel names, mapped onto torch's:
   ``retain_allreduce_buffers``, ``num_allreduce_streams``, ``allreduce_communicators`` and
   ``prof`` steered when and on which CUDA streams apex launched its all-reduces; torch's
   reducer decides that itself, so they are accepted and change nothing (the gradients are the
-  same). A process group must be initialized first, as in apex.
+  same). A process group must be initialized first, as in apex. Unlike torch's, it accepts
+  ampx's `SyncBatchNorm` on CPU ranks.
 - `SyncBatchNorm` is a `torch.nn.SyncBatchNorm` with apex's signature (`channel_last`,
   `fuse_relu`, the `z` residual input); it also synchronizes on CPU (gloo), where torch's
   refuses, and computes statistics in float32 for half inputs.
 - `convert_syncbn_model` swaps every batchnorm layer for a `SyncBatchNorm`.
+- `flat_dist_call` and the other helpers of `apex.parallel.distributed` (NVIDIA's BERT imports
+  them), and `Reducer`.
 - `LARC` is `ampx.compat.apex.larc.LARC`.
 """
 
@@ -33,19 +36,120 @@ from torch import nn
 from . import missing_name
 from .larc import LARC
 
-__all__ = ["LARC", "DistributedDataParallel", "ReduceOp", "SyncBatchNorm", "convert_syncbn_model",
-           "create_syncbn_process_group"]
+__all__ = ["LARC", "DistributedDataParallel", "ReduceOp", "Reducer", "SyncBatchNorm",
+           "apply_flat_dist_call", "convert_syncbn_model", "create_syncbn_process_group",
+           "extract_tensors", "flat_dist_call", "flatten", "import_flatten_impl",
+           "split_by_type", "split_half_float_double", "unflatten"]
 
 ReduceOp = dist.ReduceOp
 
 _MISSING = {
-    "Reducer": "torch.distributed.all_reduce over the parameters' gradients",
     "multiproc": "torchrun (python -m torch.distributed.run)",
 }
 
 
 def __getattr__(name: str) -> Any:
     missing_name("apex.parallel", name, _MISSING)
+
+
+# -- apex.parallel.distributed's helpers (NVIDIA's BERT imports flat_dist_call) ---------------
+
+def import_flatten_impl() -> None:
+    """apex chose apex_C's or torch's flatten here; ampx always uses torch's (same layout)."""
+
+
+def flatten(bucket: list[torch.Tensor]) -> torch.Tensor:
+    """One contiguous 1-D tensor holding every tensor of `bucket` (one dtype), in order."""
+    return torch._utils._flatten_dense_tensors(bucket)
+
+
+def unflatten(coalesced: torch.Tensor, bucket: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Views of `coalesced` shaped like the tensors of `bucket`."""
+    return torch._utils._unflatten_dense_tensors(coalesced, bucket)
+
+
+def apply_flat_dist_call(bucket: list[torch.Tensor], call: Any,
+                         extra_args: tuple | None = None) -> None:
+    """Run `call` on the flattened `bucket` and copy the result back into each tensor.
+
+    As in apex, an all-reduce (``call is torch.distributed.all_reduce``) is divided by the
+    world size, so it averages. The copy back writes the tensors themselves: pass parameters
+    (or ``p.detach()``), not ``p.data``, when ampx's O2 masters should see a broadcast.
+    """
+    coalesced = flatten(bucket)
+    if extra_args is not None:
+        call(coalesced, *extra_args)
+    else:
+        call(coalesced)
+    if call is dist.all_reduce:
+        coalesced /= dist.get_world_size()
+    with torch.no_grad():
+        for buf, synced in zip(bucket, unflatten(coalesced, bucket)):
+            buf.copy_(synced)
+
+
+def split_half_float_double(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors grouped as fp16, fp32, fp64 (apex's order; empty groups dropped).
+
+    apex matched CUDA type strings; ampx matches dtypes on any device, and adds bf16 last.
+    """
+    order = (torch.float16, torch.float32, torch.float64, torch.bfloat16)
+    return [b for b in ([t for t in tensors if t.dtype == d] for d in order) if b]
+
+
+def split_by_type(tensors: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """The tensors grouped by ``tensor.type()`` (dtype and device), in first-seen order."""
+    buckets: dict[str, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        buckets.setdefault(tensor.type(), []).append(tensor)
+    return buckets
+
+
+def flat_dist_call(tensors: list[torch.Tensor], call: Any, extra_args: tuple | None = None
+                   ) -> None:
+    """apex's coalesced collective: `call` once per dtype/device group (see
+    `apply_flat_dist_call`), e.g. ``flat_dist_call(grads, dist.all_reduce)`` averages."""
+    for bucket in split_by_type(list(tensors)).values():
+        apply_flat_dist_call(bucket, call, extra_args)
+
+
+def extract_tensors(maybe_tensor: Any, tensor_list: list[torch.Tensor]) -> None:
+    """Append every tensor found in a (nested) iterable to `tensor_list` (apex's helper)."""
+    if torch.is_tensor(maybe_tensor):
+        tensor_list.append(maybe_tensor)
+        return
+    try:
+        items = iter(maybe_tensor)
+    except TypeError:
+        return
+    for item in items:
+        extract_tensors(item, tensor_list)
+
+
+class Reducer:
+    """apex's manual all-reduce helper: `reduce()` averages gradients over the ranks.
+
+    Built from a module, it broadcasts the module's parameters from rank 0 at construction
+    (written into the parameters themselves, so ampx's O2 masters follow) and `reduce()`
+    averages their gradients; built from tensors, `reduce()` averages those tensors.
+    """
+
+    def __init__(self, module_or_grads_list: Any) -> None:
+        if isinstance(module_or_grads_list, nn.Module):
+            self.module: nn.Module | None = module_or_grads_list
+            flat_dist_call([p.detach() for p in self.module.parameters()], dist.broadcast, (0,))
+        else:
+            self.module = None
+            self.grads: list[torch.Tensor] = []
+            extract_tensors(module_or_grads_list, self.grads)
+
+    def reduce(self) -> None:
+        """All-reduce (average) the gradients."""
+        if self.module is not None:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            flat_dist_call(grads, dist.all_reduce)
+        else:
+            flat_dist_call(self.grads, dist.all_reduce)
 
 
 class _HookState:
@@ -141,6 +245,16 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             state = _HookState(self.process_group, allreduce_always_fp32, gradient_average,
                                gradient_predivide_factor)
             self.register_comm_hook(state, _apex_allreduce_hook)
+
+    def _passing_sync_batchnorm_handle(self, module: nn.Module) -> None:
+        """torch refuses every SyncBatchNorm on CPU; ampx's own synchronizes there (gloo)."""
+        torch_sync_bn = [m for m in module.modules() if isinstance(m, nn.SyncBatchNorm)
+                         and not isinstance(m, SyncBatchNorm)]
+        if torch_sync_bn and self.device_type == "cpu":
+            raise ValueError(
+                "apex.parallel.DistributedDataParallel: torch.nn.SyncBatchNorm only works with "
+                "GPU modules; convert it with apex.parallel.convert_syncbn_model(model), whose "
+                "SyncBatchNorm also synchronizes on CPU ranks.")
 
 
 class SyncBatchNorm(nn.SyncBatchNorm):
