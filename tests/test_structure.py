@@ -86,7 +86,7 @@ def test_internals_module_map_is_the_real_import_graph() -> None:
 # Imports run one way (docs/internals.md): cli -> integrations/compat -> session/frontend ->
 # o1/scaling/overflow/model -> registry/distributed/telemetry -> options -> kernels.
 _LAYERS: tuple[tuple[int, tuple[str, ...]], ...] = (
-    (0, ("ampx._version", "ampx._reference", "ampx._ext", "ampx._build")),
+    (0, ("ampx._version", "ampx._reference", "ampx._ext", "ampx._build", "ampx._build_cuda")),
     (1, ("ampx.options",)),
     (2, ("ampx.registry", "ampx.distributed", "ampx.telemetry")),
     (3, ("ampx.o1", "ampx.scaling", "ampx.overflow", "ampx.model")),

@@ -9,9 +9,10 @@ disable depth, eager code the eager converters (weight cache) and the `disable_c
 ContextVar.
 
 When the extension is built, `patch.py` installs `make_native`'s wrappers instead: a C
-callable (ampx/csrc/cast_wrapper.cpp) that applies the same rules to eager calls without a
-Python frame, and hands every call it cannot handle exactly (while compiling, under a
-TorchFunctionMode, odd argument types, errors) to the closure, which stays the reference.
+callable (ampx/csrc/cast_wrapper.cpp, with its argument side in cast_rules.cpp) that applies
+the same rules to eager calls without a Python frame, and hands every call it cannot handle
+exactly (while compiling, under a TorchFunctionMode, odd argument types, errors) to the
+closure, which stays the reference.
 Its Python `__call__` (the closure again) is what dynamo inlines, so compiled code is traced
 through the closure and sees its casts.
 """
@@ -158,7 +159,7 @@ def _convert_wrapper(original: Callable[..., Any], session: Live, eager: Convert
     return ampx_cast
 
 
-# CastRule -> the rule code of ampx/csrc/cast_wrapper.cpp.
+# CastRule -> the rule code of ampx/csrc/cast_wrapper.h.
 _RULE_CODES = {rule: code for code, rule in enumerate((
     CastRule.LOWER, CastRule.FP32, CastRule.PROMOTE, CastRule.SEQUENCE_PROMOTE,
     CastRule.BANNED, CastRule.INPLACE_MATCH_SELF, CastRule.INPLACE_FP32_ERROR, CastRule.RNN,
