@@ -9,6 +9,8 @@ one object, `SESSIONS`, so every piece of it has a name and a single writer:
   the command line; written by `ampx.frontend.set_forced_options`);
 - `telemetry`: the JSON-lines writer for `AMPX_TELEMETRY` and the path it writes to (written by
   `ampx.telemetry.sink`);
+- `apex_stashes`: the optimizers that carry apex's private names (`_amp_stash`, ...), so that
+  `restore()` removes them all (written by `ampx.scaling.apex_stash`);
 - `log_filter`: the rank-0 logging filter, added to the "ampx" logger once, the first time a
   multi-rank run is seen (written by `ampx.distributed.install_log_filter`).
 """
@@ -16,6 +18,7 @@ one object, `SESSIONS`, so every piece of it has a name and a single writer:
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 from .options.forced import ForcedOptions
@@ -33,6 +36,7 @@ class SessionRegistry:
     telemetry: Any = None  # ampx.telemetry.Telemetry | None
     telemetry_path: str | None = None
     log_filter: Any = None  # ampx.distributed.RankZeroFilter | None
+    apex_stashes: weakref.WeakSet[Any] = dataclasses.field(default_factory=weakref.WeakSet)
 
 
 SESSIONS = SessionRegistry()

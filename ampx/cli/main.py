@@ -20,7 +20,6 @@ from .run import StepLimitReached, exit_code
 
 __all__ = ["StepLimitReached", "build_parser", "main"]
 
-_DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16"}  # CLI spelling -> initialize's dtype
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,10 +68,9 @@ def _parsed_opt_level(text: str) -> Any:
 
 
 def _dtype(text: str) -> str:
-    from ..options.values import dtype_name
+    from ..options.values import short_dtype_name
 
-    name = dtype_name(_parsed_dtype(text))
-    return next(short for short, full in _DTYPE_NAMES.items() if full == name)
+    return short_dtype_name(_parsed_dtype(text))
 
 
 def _parsed_dtype(text: str) -> Any:

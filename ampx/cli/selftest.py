@@ -23,7 +23,6 @@ __all__ = ["Check", "main", "run_checks"]
 
 _STEPS = 20
 _OVERFLOW_STEP = 10
-_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 
 
 @dataclasses.dataclass
@@ -177,6 +176,7 @@ def _stepper(kind: str, device: str, dtype: str) -> tuple[Callable[[], None], Ca
     import torch
 
     from ..frontend import Amp
+    from ..options.values import parse_dtype
 
     torch.manual_seed(0)
     big = device != "cpu"
@@ -184,7 +184,7 @@ def _stepper(kind: str, device: str, dtype: str) -> tuple[Callable[[], None], Ca
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(256 if big else 64, 16, device=device)
     y = torch.randn(x.shape[0], 4, device=device)
-    half = getattr(torch, _DTYPES[dtype])
+    half = parse_dtype(dtype)
     if kind in ("fp32", "autocast"):
         scaler = torch.amp.GradScaler(device.split(":")[0],
                                       enabled=kind == "autocast" and dtype == "fp16")
@@ -264,13 +264,14 @@ def run_checks(on: Optional[list[str]] = None, *, native: Any = None,
         native: A stand-in for the native kernels (tests).
         speed: Include the timing lines.
     """
+    from ..options.values import DTYPE_CHOICES
     for device in on or devices():
         yield _guarded(device, "kernels", functools.partial(kernel_check, device, native))
-        for dtype in _DTYPES:
+        for dtype in DTYPE_CHOICES:
             for level in ("O1", "O2"):
                 yield training_check(device, level, dtype)
         if speed:
-            for dtype in _DTYPES:
+            for dtype in DTYPE_CHOICES:
                 if device == "cpu" and dtype == "fp16":
                     continue  # emulated on most CPUs: a slow number that says nothing
                 yield _guarded(device, f"speed {dtype}",

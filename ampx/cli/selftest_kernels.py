@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import _reference
+from ..options.values import dtype_name
 
 __all__ = ["PLACEMENTS", "batching_sizes", "compare_backends", "compare_batching",
            "native_for"]
@@ -331,7 +332,7 @@ def _run_bool(check: Callable[[], bool]) -> bool:
 
 
 def _short(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+    return dtype_name(dtype)
 
 
 def native_for(device: torch.device) -> tuple[Optional[Any], Optional[str]]:

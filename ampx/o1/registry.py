@@ -6,7 +6,9 @@ Beside the session registry (`ampx.registry`), this is the only process-wide sta
 - `user`: the `register_*_function` registrations, kept across sessions;
 - `compiler_ready`, `rule_map`, `cache_flags`: what a session did to torch's compiler
   (`ampx.o1.compiler`): the pre-imports done, dynamo's rule map built before the patches, and
-  the AOTAutograd cache flags held off during a session.
+  the AOTAutograd cache flags held off during a session;
+- `native_class`: the native cast wrapper's Python subclass, once looked up (`[None]`: no
+  extension, or the closures forced; `ampx.o1.wrappers.native_class`).
 
 The `disable_casts()` regions (`ampx.o1.regions`) are per thread and per trace, not
 process-wide: they live in thread-local and context-local objects there.
@@ -30,6 +32,7 @@ class PatchRegistry:
     compiler_ready: bool = False
     rule_map: Any = None
     cache_flags: dict[str, Any] = dataclasses.field(default_factory=dict)
+    native_class: list[Any] = dataclasses.field(default_factory=list)
 
 
 PATCHES = PatchRegistry()

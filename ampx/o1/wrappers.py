@@ -30,6 +30,7 @@ from .casters import Caster, Converter, TensorCast
 from .casting import map_tensors
 from .lists import CastRule
 from .regions import _CASTS_DISABLED, LOCAL, eager_depth_when_compiling, in_compiled_region
+from .registry import PATCHES
 
 __all__ = ["Live", "decorator_wrapper", "make_native", "make_wrapper", "native_class"]
 
@@ -164,14 +165,13 @@ _RULE_CODES = {rule: code for code, rule in enumerate((
     CastRule.LOWER, CastRule.FP32, CastRule.PROMOTE, CastRule.SEQUENCE_PROMOTE,
     CastRule.BANNED, CastRule.INPLACE_MATCH_SELF, CastRule.INPLACE_FP32_ERROR, CastRule.RNN,
     CastRule.RNN_CHECK))}
-_NATIVE: list[type | None] = []  # the sealed subclass once looked up (None: no extension)
 
 
 def native_class() -> type | None:
     """The native wrapper type, or None when the extension (or its CastWrapper) is absent."""
-    if not _NATIVE:
-        _NATIVE.append(_build_native_class())
-    return _NATIVE[0]
+    if not PATCHES.native_class:
+        PATCHES.native_class.append(_build_native_class())
+    return PATCHES.native_class[0]
 
 
 def _build_native_class() -> type | None:

@@ -25,6 +25,7 @@ __all__ = [
     "HALF_DTYPES",
     "dtype_name",
     "parse_bool",
+    "short_dtype_name",
     "parse_choice",
     "parse_detect_overflow",
     "parse_device_types",
@@ -62,7 +63,7 @@ class OptLevel(str, enum.Enum):
 OPT_LEVELS: tuple[str, ...] = tuple(level.value for level in OptLevel)
 LETTER_O_HINT = ("Note that in `O0`, `O1`, etc., the prefix O is the letter O, not the "
                  "number zero.")
-DTYPE_CHOICES: tuple[str, ...] = ("fp16", "bf16")  # the command-line spellings
+DTYPE_CHOICES: tuple[str, ...] = ("fp16", "bf16")  # the command-line spellings of HALF_DTYPES
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
     "torch.float16": torch.float16,
@@ -82,6 +83,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     'bfloat16'
     """
     return str(dtype).replace("torch.", "")
+
+
+def short_dtype_name(dtype: torch.dtype) -> str:
+    """A half dtype as the command line spells it: "fp16" or "bf16".
+
+    >>> short_dtype_name(torch.bfloat16)
+    'bf16'
+    """
+    return DTYPE_CHOICES[HALF_DTYPES.index(dtype)]
 
 
 def parse_dtype(value: Any, *, api: str = "ampx.initialize") -> torch.dtype:

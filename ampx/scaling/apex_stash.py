@@ -29,6 +29,7 @@ import torch
 
 from .. import _ext
 from ..options.values import HALF_DTYPES
+from ..registry import SESSIONS
 from .journal import Journal
 from .protocol import OptimizerAmpState, Stage, amp_state_of
 from .scaled_pass import ScaledPass
@@ -381,7 +382,6 @@ _METHODS: dict[str, Callable[..., None]] = {
     "_post_amp_backward": _post_amp_backward,
     "_amp_lazy_init": _amp_lazy_init,
 }
-_ATTACHED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 # -- attach / detach ------------------------------------------------------------------------------
@@ -406,7 +406,7 @@ def attach(optimizer: torch.optim.Optimizer) -> None:
     try:
         for name, value in names.items():
             setattr(optimizer, name, value)
-        _ATTACHED.add(optimizer)
+        SESSIONS.apex_stashes.add(optimizer)
     except BaseException:
         detach(optimizer)
         raise
@@ -425,10 +425,10 @@ def detach(optimizer: torch.optim.Optimizer) -> None:
     for name in METHOD_NAMES:
         if isinstance(attrs.get(name), _PrivateMethod):
             del attrs[name]
-    _ATTACHED.discard(optimizer)
+    SESSIONS.apex_stashes.discard(optimizer)
 
 
 def detach_all() -> None:
     """Remove the names from every optimizer that has them (`ampx.restore()`)."""
-    for optimizer in list(_ATTACHED):
+    for optimizer in list(SESSIONS.apex_stashes):
         detach(optimizer)

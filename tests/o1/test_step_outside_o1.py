@@ -11,14 +11,15 @@ import torch
 from torch import nn
 
 import ampx
-from ampx.o1 import regions, wrappers
+from ampx.o1 import regions
+from ampx.o1.registry import PATCHES
 
 
 @pytest.fixture(autouse=True)
 def _python_wrappers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The counter below sees the closures' frames: install them, not the native wrappers
     (tests/o1/test_native_wrapper.py checks the native ones read the same step flag)."""
-    monkeypatch.setattr(wrappers, "_NATIVE", [None])
+    monkeypatch.setattr(PATCHES, "native_class", [None])
 
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
