@@ -85,6 +85,18 @@ def namespaces():
     return _namespaces
 
 
+@pytest.fixture(params=["reference", "native"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each kernel backend in turn (native skips when the extension is not active)."""
+    from ampx import _ext, _reference
+
+    if request.param == "reference":
+        monkeypatch.setattr(_ext, "_impl", lambda device: _reference)
+    elif _ext._native_module() is None:
+        pytest.skip(f"native kernels not active: {_ext.IMPORT_ERROR}")
+    return request.param
+
+
 @pytest.fixture(params=[torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def half_dtype(request: pytest.FixtureRequest) -> torch.dtype:
     """Both half-precision dtypes."""

@@ -14,19 +14,15 @@ import torch
 from torch import nn
 
 import ampx
-from ampx import _ext, _reference
 from ampx.options.levels import OptionError
 from ampx.scaling.checkpoint import CheckpointError
 from ampx.scaling.protocol import amp_state_of
 
 
-@pytest.fixture(params=["reference", "native"], autouse=True)
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "reference":
-        monkeypatch.setattr(_ext, "_impl", lambda device: _reference)
-    elif _ext._native_module() is None:
-        pytest.skip(f"native kernels not active: {_ext.IMPORT_ERROR}")
-    return request.param
+@pytest.fixture(autouse=True)
+def _each_backend(backend: str) -> str:
+    """Every test here runs on both kernel backends (tests/conftest.py's `backend`)."""
+    return backend
 
 
 def mlp() -> nn.Module:

@@ -18,21 +18,11 @@ from _shared import batch, mlp
 from torch import nn
 
 import ampx
-from ampx import _ext, _reference
+from ampx import _ext
 
 KERNELS = ("unscale_", "unscale_into_", "copy_", "update_scale_", "l2norm")
 SCALER_TENSORS = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_overflows_since_report",
                   "_scale_before_overflow")
-
-
-@pytest.fixture(params=["reference", "native"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each kernel backend in turn (native skips when the extension is not active)."""
-    if request.param == "reference":
-        monkeypatch.setattr(_ext, "_impl", lambda device: _reference)
-    elif _ext._native_module() is None:
-        pytest.skip(f"native kernels not active: {_ext.IMPORT_ERROR}")
-    return request.param
 
 
 def data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
