@@ -413,6 +413,55 @@ def update_scale_(
         int(interval), int(hysteresis), float(min_scale), float(max_scale))
 
 
+# ---------------------------------------------------------------------------
+# One call per pass (native only): the clean unscale pass and the scaler's next state.
+# Each returns None where the native kernels do not serve the device (or, for the pass,
+# where the pass is not clean); the caller then takes its general path, whose results are
+# bitwise these (same rules, same kernels).
+# ---------------------------------------------------------------------------
+
+
+def unscale_pass(sources: list[torch.Tensor], targets: list[torch.Tensor],
+                 inv_scale: torch.Tensor, unit: bool, per_tensor: bool,
+                 found_inf: Optional[torch.Tensor] = None) -> Optional[tuple]:
+    """The clean unscale pass of `ampx.scaling.unscale` in one native call, or None.
+
+    Clean: every gradient in `sources[i].grad` is a contiguous plain tensor on `inv_scale`'s
+    device and every master target has no gradient yet. Nothing is assigned to `.grad`.
+
+    Returns:
+        None (nothing was written), or (found_inf, flags or None, assign, results, clear,
+        flag_params), as `ampx/csrc/grad_pass.cpp` describes.
+    """
+    native = _impl(inv_scale.device)
+    if native is _reference:
+        return None
+    return native.unscale_pass(sources, targets, inv_scale, unit, per_tensor,
+                               found_inf)  # type: ignore[no-any-return]
+
+
+def with_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters of `params` that have a gradient, in order."""
+    native = _state.native if _state.loaded else _ensure_loaded().native
+    if native is None:
+        return [p for p in params if p.grad is not None]
+    return native.with_grads(params)  # type: ignore[no-any-return]
+
+
+def next_scale_state(state: tuple[torch.Tensor, ...], found_inf: torch.Tensor,
+                     rule: tuple[float, float, int, int, float, float]
+                     ) -> Optional[tuple[torch.Tensor, ...]]:
+    """`LossScaler.next_state` in one native call: (scale, growth tracker, hysteresis
+    tracker, overflows since report, scale before overflow), fresh; None on the reference."""
+    native = _impl(found_inf.device)
+    if native is _reference:
+        return None
+    growth, backoff, interval, hysteresis, min_scale, max_scale = rule
+    return native.next_scale_state(  # type: ignore[no-any-return]
+        *state, found_inf, float(growth), float(backoff), int(interval), int(hysteresis),
+        float(min_scale), float(max_scale))
+
+
 def describe() -> dict[str, Any]:
     """Report which kernels are active and why, for ``ampx info``.
 

@@ -256,11 +256,10 @@ class Amp:
         try:
             scaled.begin()
             value = self.scalers[loss_id].scale_loss_value(loss)
-            if value.requires_grad and patch.active() is not None:
-                # Backward holds the casts it needs (saved tensors) and frees each as it goes;
-                # the cache holding them too kept every half weight copy alive through
-                # backward and the unscale (O1's memory excess over autocast).
-                value.register_hook(_drop_weight_casts)
+            # The forward is done: backward holds the casts it needs (saved tensors) and
+            # frees each as it goes; the cache holding them too kept every half weight copy
+            # alive through backward and the unscale (O1's memory excess over autocast).
+            _drop_weight_casts()
             yield value
             scaled.end(loss.detach(), loss_id=loss_id, delay_unscale=delay_unscale,
                        check=not delay_overflow_check)
@@ -401,8 +400,8 @@ class Amp:
             self.overflow_watch.remove_detector()
 
 
-def _drop_weight_casts(grad: torch.Tensor) -> None:
-    """A tensor hook on the scaled loss: backward starts, the weight-cast cache lets go."""
+def _drop_weight_casts() -> None:
+    """`scale_loss` began (the forward is done): the weight-cast cache lets go."""
     patch.clear_cache()
 
 

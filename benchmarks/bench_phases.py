@@ -11,7 +11,14 @@ Phases, each timed on its own around the same training loop (O1 or O2, AdamW, bf
   (which the handler calls), timed on alternate steps over the same gradients.
 
 The fixed cost is the sum of the four. Each phase is the median over `--steps` steps
-steps (the zero_grad baseline on alternate steps); the load average is printed before and after.
+(the zero_grad baseline on alternate steps); the load average is printed before and after.
+
+For scale, the same loop is timed with torch's own `torch.amp.GradScaler` (which does the same
+jobs: scale the loss, unscale and check every gradient, one host sync, update the scale), its
+phases interleaved with ampx's step by step: `scaler.scale(loss)` as the entry,
+`scaler.unscale_(opt)` as the exit, `found_inf` read on the host + `scaler.update()` as the
+step's share (the optimizer's update itself is not run for either). torch's bookkeeping runs in
+Python too, so its sum says what this machine charges for a per-step protocol of that shape.
 
 Run::
 
@@ -43,13 +50,45 @@ from ampx.scaling.stepping import _step_post_hook, _step_pre_hook  # noqa: E402
 PHASES = ("scale_loss entry", "scale_loss exit", "step hooks", "zero_grad handler")
 
 
-def measure(level: str, dtype: str, steps: int) -> dict[str, list[float]]:
+def gradscaler_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler, x: torch.Tensor, y: torch.Tensor,
+                    times: dict[str, list[float]] | None) -> None:
+    """One step of the GradScaler loop, its phases timed into `times` (None: warm-up)."""
+    clock = time.perf_counter
+    opt.zero_grad()
+    loss = F.mse_loss(model(x).float(), y)
+    t0 = clock()
+    scaled = scaler.scale(loss)
+    t1 = clock()
+    scaled.backward()
+    t2 = clock()
+    scaler.unscale_(opt)
+    t3 = clock()
+    found = sum(v.item() for v in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
+                .values())  # what scaler.step reads before stepping
+    scaler.update()
+    t4 = clock()
+    if found < 0:
+        raise AssertionError
+    if times is not None:
+        times["scale_loss entry"].append(t1 - t0)
+        times["scale_loss exit"].append(t3 - t2)
+        times["step hooks"].append(t4 - t3)
+
+
+def measure(level: str, dtype: str, steps: int
+            ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Per-phase seconds of `steps` steps (after 20 warm-up steps)."""
     torch.manual_seed(0)
     model = mlp()
     amp = ampx.Amp(level, dtype=dtype, verbosity=0)
     model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     x, y = torch.randn(8, 64), torch.randn(8, 64)
+    torch.manual_seed(0)
+    ref_model = mlp()
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-4)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    ref: dict[str, list[float]] = {p: [] for p in PHASES[:3]}
     times: dict[str, list[float]] = {p: [] for p in PHASES}
     handler: list[float] = []
     own: list[float] = []
@@ -78,6 +117,8 @@ def measure(level: str, dtype: str, steps: int) -> dict[str, list[float]]:
             _step_pre_hook(opt, args, {})
             _step_post_hook(opt, args, {})
             t8 = clock()
+            with ampx.disable_casts():  # the reference loop is plain fp32 (no O1 casts)
+                gradscaler_step(ref_model, ref_opt, ref_scaler, x, y, ref if i >= 20 else None)
             if i >= 20:
                 times["scale_loss entry"].append(t4 - t3)
                 times["scale_loss exit"].append(t6 - t5)
@@ -87,7 +128,7 @@ def measure(level: str, dtype: str, steps: int) -> dict[str, list[float]]:
         amp.restore()
     base = statistics.median(own)
     times["zero_grad handler"] = [t - base for t in handler]
-    return times
+    return times, ref
 
 
 def main() -> None:
@@ -101,16 +142,22 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.level} {args.dtype}, "
           f"small MLP (16 x Linear(64), batch 8), AdamW, {args.steps} steps; load average "
           "before: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
-    times = measure(args.level, args.dtype, args.steps)
+    times, ref = measure(args.level, args.dtype, args.steps)
     print()
-    print("| phase | median us | 25th-75th percentile us |")
-    print("| --- | --- | --- |")
-    total = 0.0
+    print("| phase | ampx median us | 25th-75th percentile us | GradScaler median us |")
+    print("| --- | --- | --- | --- |")
+    total = ref_total = 0.0
     for phase in PHASES:
         q = statistics.quantiles(times[phase], n=4)
         total += q[1]
-        print(f"| {phase} | {q[1] * 1e6:.0f} | {q[0] * 1e6:.0f}-{q[2] * 1e6:.0f} |")
-    print(f"| fixed per-step cost (sum of medians) | {total * 1e6:.0f} | |")
+        theirs = ""
+        if phase in ref:
+            median = statistics.median(ref[phase])
+            ref_total += median
+            theirs = f"{median * 1e6:.0f}"
+        print(f"| {phase} | {q[1] * 1e6:.0f} | {q[0] * 1e6:.0f}-{q[2] * 1e6:.0f} | {theirs} |")
+    print(f"| fixed per-step cost (sum of medians) | {total * 1e6:.0f} | | "
+          f"{ref_total * 1e6:.0f} |")
     print()
     print("load average after: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
 

@@ -282,6 +282,7 @@ std::string cuda_archs() {
 }  // namespace
 
 void init_cast_wrapper(PyObject* module);  // cast_wrapper.cpp
+void init_grad_pass(pybind11::module& m);  // grad_pass.cpp
 
 }  // namespace ampx
 
@@ -294,6 +295,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("per_tensor") = py::none(), nogil);
   m.def("unscale_into_", &ampx::unscale_into_, arg("src"), arg("dst"), arg("inv_scale"),
         arg("found_inf"), arg("per_tensor") = py::none(), arg("accumulate") = false, nogil);
+  ampx::init_grad_pass(m);
   m.def("l2norm", &ampx::l2norm, arg("tensors"), arg("per_tensor") = false, nogil);
   m.def("copy_", &ampx::copy_, arg("src"), arg("dst"), nogil);
   m.def("update_scale_", &ampx::update_scale_, arg("scale"), arg("growth_tracker"),

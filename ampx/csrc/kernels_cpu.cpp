@@ -161,13 +161,41 @@ bool unscale_span(T* p, int64_t n, float inv) {
   return acc.has_inf_nan() || std::isnan(tail);
 }
 
+// The check alone (inv_scale == 1) of a 16-bit float type, on the bits: a value is
+// inf/NaN exactly when its exponent bits are all ones (`kExp`), the same verdict as the
+// float sentinel above, without converting (twice the elements per vector).
+template <int16_t kExp>
+bool nonfinite_bits(const void* data, int64_t n) {
+  using Vi = at::vec::Vectorized<int16_t>;
+  const auto* p = static_cast<const int16_t*>(data);
+  const Vi mask(kExp);
+  Vi acc(0);
+  int64_t i = 0;
+  for (; i + Vi::size() <= n; i += Vi::size()) {
+    const Vi v = Vi::loadu(p + i);
+    acc = acc | ((v & mask) == mask);
+  }
+  int16_t lanes[Vi::size()];
+  acc.store(lanes);
+  bool bad = false;
+  for (int64_t k = 0; k < Vi::size(); ++k) bad |= lanes[k] != 0;
+  for (; i < n; ++i) bad |= (p[i] & kExp) == kExp;
+  return bad;
+}
+
 template <bool kScale>
 bool unscale_item(const at::Tensor& t, const Item& it, float inv) {
   const int64_t n = it.end - it.begin;
   switch (kind_of(t)) {
     case Kind::F16:
+      if constexpr (!kScale) {
+        return nonfinite_bits<0x7C00>(t.data_ptr<at::Half>() + it.begin, n);
+      }
       return unscale_span<at::Half, kScale>(t.data_ptr<at::Half>() + it.begin, n, inv);
     case Kind::BF16:
+      if constexpr (!kScale) {
+        return nonfinite_bits<0x7F80>(t.data_ptr<at::BFloat16>() + it.begin, n);
+      }
       return unscale_span<at::BFloat16, kScale>(t.data_ptr<at::BFloat16>() + it.begin, n,
                                                 inv);
     default:

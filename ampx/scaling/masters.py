@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -136,6 +136,8 @@ class ParamCache:
         models: The half model parameters of `pairs`.
         masters: The fp32 masters of `pairs`.
         others: The parameters that are not masters (the optimizer steps them directly).
+        sources: `models + others`: where this pass's scaled gradients are.
+        targets: `masters + others`: what gets the unscaled gradients (aligned with sources).
     """
 
     signature: tuple
@@ -144,6 +146,12 @@ class ParamCache:
     models: list[torch.Tensor]
     masters: list[torch.Tensor]
     others: list[torch.Tensor]
+    sources: list[torch.Tensor] = field(default_factory=list)
+    targets: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.sources = self.models + self.others
+        self.targets = self.masters + self.others
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

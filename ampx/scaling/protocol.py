@@ -264,11 +264,13 @@ class OptimizerAmpState:
                 marks = {id(p): grad_mark(p) for p in cache.models + cache.others}
                 journal.set(self, "_entry", (Stage.SCALED, marks))
             else:
-                stash = {id(p): (p, p.grad) for p in cache.others if p.grad is not None}
-                dropped = {id(p): (p, p.grad) for p in cache.models if p.grad is not None}
+                stash = {id(p): (p, p.grad) for p in _ext.with_grads(cache.others)}
+                dropped = {id(p): (p, p.grad) for p in _ext.with_grads(cache.models)}
                 journal.set(self, "_entry", (self.stage, None))
-                journal.set(self, "stash", stash)
-                journal.set(self, "dropped", dropped)
+                if stash or self.stash:
+                    journal.set(self, "stash", stash)
+                if dropped or self.dropped:
+                    journal.set(self, "dropped", dropped)
                 for param, _ in list(stash.values()) + list(dropped.values()):
                     journal.set(param, "grad", None)
             journal.set(self, "stage", Stage.SCALING)
@@ -363,12 +365,15 @@ class OptimizerAmpState:
         if self.stage is Stage.SCALING:
             return
         self._heal(optimizer)
+        if (self.stage is Stage.READY and self.found_inf is None and not self.stash
+                and not self.dropped and not self.loss_ids and not self.overflow_flags
+                and self._decision is None and not self.masters):
+            return  # the usual zero_grad right after a step: nothing to release
         cache = self.cache(optimizer)
         journal = Journal()
         try:
-            for model_param in cache.models:
-                if model_param.grad is not None:
-                    journal.set(model_param, "grad", None)
+            for model_param in _ext.with_grads(cache.models):
+                journal.set(model_param, "grad", None)
             for name, value in (("stash", {}), ("dropped", {}), ("found_inf", None),
                                 ("loss_ids", frozenset()), ("overflow_flags", ()),
                                 ("_decision", None),
@@ -433,7 +438,7 @@ class OptimizerAmpState:
             raise error
 
     def _commit_step(self, cache: ParamCache, decision: StepDecision) -> None:
-        for master in cache.masters:  # as apex: master grads are consumed by the step
+        for master in _ext.with_grads(cache.masters):  # as apex: the step consumes them
             master.grad = None
         self.steps += 1
         if decision.flag is not None:

@@ -93,16 +93,26 @@ class ScaledPass:
                     state.commit_delayed(journal)
             return
         scaler = self.scaler
-        found = torch.zeros(1, dtype=torch.float32, device=scaler.device)
+        found: torch.Tensor | None = None  # made by the first optimizer's kernel call
         inv_scale = scaler.inv_scale()
         unit = scaler.unit_scale()
         works: list[unscale.UnscaleWork] = []
         flags: list[torch.Tensor | None] = []
         for opt, state in self.pairs:
-            work = unscale.plan(state.cache(opt), state.stash)
-            flags.append(unscale.run(work, inv_scale, found,
-                                     state.policy.per_tensor, unit))
+            cache = state.cache(opt)
+            clean = unscale.run_clean(cache, state.stash, inv_scale, state.policy.per_tensor,
+                                      unit, found)
+            if clean is not None:  # the usual pass, in one native call
+                work, flag, found = clean
+            else:
+                if found is None:
+                    found = torch.zeros(1, dtype=torch.float32, device=scaler.device)
+                work = unscale.plan(cache, state.stash)
+                flag = unscale.run(work, inv_scale, found, state.policy.per_tensor, unit)
+            flags.append(flag)
             works.append(work)
+        if found is None:  # no optimizer
+            found = torch.zeros(1, dtype=torch.float32, device=scaler.device)
         new_scaler = None
         if check:
             self.sync(found)

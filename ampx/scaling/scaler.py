@@ -157,7 +157,14 @@ class LossScaler:
         return self._scale
 
     def scale_loss_value(self, loss: torch.Tensor) -> torch.Tensor:
-        """`loss.float() * scale`, computed on the device (no sync)."""
+        """`loss.float() * scale`, computed on the device (no sync).
+
+        At a scale known to be exactly 1 (a static scale of 1: bf16's default) that is
+        `loss.float()` itself: the product would equal it value for value and gradient for
+        gradient, at the cost of one more op per step.
+        """
+        if self.unit_scale():
+            return loss.float()
         scale = self._scale if loss.device == self._scale.device else self._scale.to(loss.device)
         return loss.float() * scale.reshape(())
 
@@ -200,17 +207,22 @@ class LossScaler:
         of `update_`, used by the scaled-backward protocol).
         """
         found = found_inf if found_inf.device == self.device else found_inf.to(self.device)
+        if self.dynamic:
+            rule = (self.growth_factor, self.backoff_factor, self.growth_interval,
+                    self.hysteresis, self.floor, self.max_loss_scale)
+        else:
+            rule = (1.0, 1.0, _STATIC_INTERVAL, 1, 0.0, math.inf)
+        fused = _ext.next_scale_state(
+            (self._scale, self._growth_tracker, self._hysteresis_tracker,
+             self._overflows_since_report, self._scale_before_overflow), found, rule)
+        if fused is not None:  # the same five ops as below, in one native call
+            return dict(zip(_TENSORS, fused))
         # the three the kernel updates in place are cloned; the other two are computed anew
         new = {name: getattr(self, name).clone() for name in _TENSORS[:3]}
         # remember the scale in force before the first overflow not yet reported (for the log)
         new["_scale_before_overflow"] = torch.where(
             self._overflows_since_report > 0, self._scale_before_overflow, self._scale)
         new["_overflows_since_report"] = torch.maximum(self._overflows_since_report, found)
-        if self.dynamic:
-            rule = (self.growth_factor, self.backoff_factor, self.growth_interval,
-                    self.hysteresis, self.floor, self.max_loss_scale)
-        else:
-            rule = (1.0, 1.0, _STATIC_INTERVAL, 1, 0.0, math.inf)
         _ext.update_scale_(new["_scale"], new["_growth_tracker"], new["_hysteresis_tracker"],
                            found, *rule)
         return new

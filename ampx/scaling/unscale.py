@@ -32,7 +32,7 @@ import torch
 from .. import _ext
 from .masters import ParamCache
 
-__all__ = ["UnscaleWork", "plan", "run"]
+__all__ = ["UnscaleWork", "plan", "run", "run_clean"]
 
 
 @dataclass(eq=False)
@@ -191,3 +191,27 @@ def run(work: UnscaleWork, inv_scale: torch.Tensor, found_inf: torch.Tensor,
     work.results = results
     work.flag_params = [work.assign[i][0] for i in order]
     return flags
+
+
+def run_clean(cache: ParamCache, stash: dict[int, tuple[torch.Tensor, torch.Tensor]],
+              inv_scale: torch.Tensor, per_tensor: bool, unit_scale: bool,
+              found_inf: torch.Tensor | None = None
+              ) -> tuple[UnscaleWork, torch.Tensor | None, torch.Tensor] | None:
+    """`plan` + `run` in one native call when the pass is clean, else None (nothing written).
+
+    Clean: nothing accumulated (no stash, no master gradient yet) and every gradient a
+    contiguous plain tensor on the scaler's device: the usual pass. The same rules and
+    kernels as `run`, so the results are bitwise the same; `work.assign` lists only the
+    entries that got a fresh buffer (one checked in place already is its `.grad`).
+
+    Returns:
+        (work, per-tensor flags or None, found_inf: the given one, or a new one).
+    """
+    if stash:
+        return None
+    out = _ext.unscale_pass(cache.sources, cache.targets, inv_scale, unit_scale, per_tensor,
+                            found_inf)
+    if out is None:
+        return None
+    found, flags, assign, results, clear, flag_params = out
+    return UnscaleWork(assign, clear, results, flag_params), flags, found

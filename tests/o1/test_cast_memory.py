@@ -1,4 +1,4 @@
-"""O1's weight-cast cache lets go of its half copies when backward starts.
+"""O1's weight-cast cache lets go of its half copies when `scale_loss` begins (before backward).
 
 Backward keeps the casts it needs (saved tensors) and frees each once used; the cache holding
 them as well kept every half copy of the weights alive through backward and the unscale.
@@ -21,7 +21,7 @@ from ampx.o1 import patch
 
 def _grads(dtype: str, monkeypatch: pytest.MonkeyPatch | None) -> tuple[list[int], list]:
     if monkeypatch is not None:
-        monkeypatch.setattr(session_module, "_drop_weight_casts", lambda grad: None)
+        monkeypatch.setattr(session_module, "_drop_weight_casts", lambda: None)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     amp = ampx.Amp("O1", dtype=dtype, verbosity=0)

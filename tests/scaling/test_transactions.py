@@ -20,7 +20,8 @@ from torch import nn
 import ampx
 from ampx import _ext
 
-KERNELS = ("unscale_", "unscale_into_", "copy_", "update_scale_", "l2norm")
+KERNELS = ("unscale_", "unscale_into_", "copy_", "update_scale_", "l2norm", "unscale_pass",
+           "next_scale_state")
 SCALER_TENSORS = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_overflows_since_report",
                   "_scale_before_overflow")
 

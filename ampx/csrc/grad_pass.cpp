@@ -1,0 +1,282 @@
+// ampx._C: the clean unscale pass and the scaler's next state, each one call per scale_loss.
+//
+// ampx/scaling/unscale.py plans a pass in Python: for every parameter it reads `.grad`,
+// sorts it by kernel (checked in place, or unscaled into a fresh buffer), allocates the
+// buffers and calls the kernels. That is the general path (sparse gradients, accumulation
+// onto earlier gradients, any layout, any device, tensor subclasses). Almost every pass of
+// real training is the clean case: dense contiguous plain tensors on one device, nothing
+// accumulated. `unscale_pass` does exactly that case in one call, with the same rules and
+// the same kernels, so its results are bitwise the general path's; on anything else it
+// returns None before touching a tensor, and the caller takes the general path.
+//
+// Nothing here assigns `.grad`: the caller commits the results through its journal.
+#include <torch/extension.h>
+
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "ampx.h"
+
+namespace ampx {
+namespace {
+
+namespace py = pybind11;
+
+bool kernel_dtype(at::ScalarType t) {
+  return t == at::ScalarType::Float || t == at::ScalarType::Half ||
+         t == at::ScalarType::BFloat16;
+}
+
+// A gradient the clean pass takes as it is (the general path's in-place rule, plus what the
+// kernels need): dense, contiguous, a kernel dtype, on `device`, not requiring grad, not an
+// inference tensor, and exactly a torch.Tensor (no subclass: those go the general way).
+bool plain(const at::Tensor& g, const at::Device& device) {
+  if (g.layout() != at::kStrided || !kernel_dtype(g.scalar_type()) || g.device() != device ||
+      !g.is_contiguous() || g.requires_grad() || g.is_inference() ||
+      g.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python))
+    return false;
+  // the Python object (made now if the autograd engine created the gradient: as `.grad`
+  // would) tells a __torch_function__ subclass
+  py::object obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(g));
+  return Py_TYPE(obj.ptr()) == reinterpret_cast<PyTypeObject*>(THPVariableClass);
+}
+
+// The tensor behind a list item, or nullptr when it is not one.
+const at::Tensor* tensor_of(PyObject* obj) {
+  return THPVariable_Check(obj) ? &THPVariable_Unpack(obj) : nullptr;
+}
+
+void run_unscale(const TensorList& grads, const at::Tensor& inv, const at::Tensor& found,
+                 const OptTensor& flags) {
+  if (inv.is_cpu()) {
+    unscale_cpu(grads, inv, found, flags);
+    return;
+  }
+#ifdef AMPX_WITH_CUDA
+  unscale_cuda(grads, inv, found, flags);
+#endif
+}
+
+void run_unscale_into(const TensorList& src, const TensorList& dst, const at::Tensor& inv,
+                      const at::Tensor& found, const OptTensor& flags) {
+  if (inv.is_cpu()) {
+    unscale_into_cpu(src, dst, inv, found, flags, false);
+    return;
+  }
+#ifdef AMPX_WITH_CUDA
+  unscale_into_cuda(src, dst, inv, found, flags, false);
+#endif
+}
+
+struct Entry {
+  py::object target;  // the parameter that gets the new gradient
+  py::object source;  // the parameter whose .grad holds this pass's scaled gradient
+  at::Tensor grad;    // that gradient
+};
+
+// Reads every source's gradient; false (nothing written) when the pass is not clean.
+bool collect(const py::list& sources, const py::list& targets, const at::Device& device,
+             std::vector<Entry>* out) {
+  const Py_ssize_t n = PyList_GET_SIZE(sources.ptr());
+  if (PyList_GET_SIZE(targets.ptr()) != n) return false;
+  out->reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* src = PyList_GET_ITEM(sources.ptr(), i);
+    PyObject* dst = PyList_GET_ITEM(targets.ptr(), i);
+    const at::Tensor* param = tensor_of(src);
+    const at::Tensor* target = tensor_of(dst);
+    if (param == nullptr || target == nullptr) return false;
+    at::Tensor g = param->grad();
+    if (!g.defined()) continue;
+    if (!plain(g, device)) return false;
+    // a master must have no gradient of an earlier pass (that is an accumulation)
+    if (dst != src && target->grad().defined()) return false;
+    out->push_back({py::reinterpret_borrow<py::object>(dst),
+                    py::reinterpret_borrow<py::object>(src), std::move(g)});
+  }
+  return true;
+}
+
+// The clean pass (see the file comment). Returns None, or
+// (found_inf, flags or None, assign, results, clear, flag_params):
+//   assign/results: the (target, source grad, None) entries that get a fresh buffer, and
+//   those buffers (entries checked in place already are their own new gradient);
+//   clear: sources whose gradient went into another tensor (the half model params);
+//   flag_params: the targets in the order of `flags` (fresh ones, then in-place ones).
+py::object unscale_pass(const py::list& sources, const py::list& targets,
+                        const at::Tensor& inv_scale, bool unit, bool per_tensor,
+                        const std::optional<at::Tensor>& found_in) {
+  if (inv_scale.scalar_type() != at::ScalarType::Float || inv_scale.numel() != 1 ||
+      !inv_scale.is_contiguous())
+    return py::none();
+  const at::Device device = inv_scale.device();
+#ifndef AMPX_WITH_CUDA
+  if (!device.is_cpu()) return py::none();
+#endif
+  if (found_in.has_value()) {
+    const at::Tensor& f = *found_in;
+    if (f.scalar_type() != at::ScalarType::Float || f.numel() != 1 || f.device() != device ||
+        !f.is_contiguous())
+      return py::none();
+  }
+  std::vector<Entry> entries;
+  if (!collect(sources, targets, device, &entries)) return py::none();
+
+  // Sort as the general path does: fresh buffers first, then the in-place checks.
+  std::vector<const Entry*> fresh, in_place;
+  TensorList fresh_src, fresh_dst, in_place_grads;
+  for (const Entry& e : entries) {
+    const at::Tensor& target = THPVariable_Unpack(e.target.ptr());
+    if (unit && e.grad.scalar_type() == target.scalar_type()) {
+      in_place.push_back(&e);
+      in_place_grads.push_back(e.grad);
+      continue;
+    }
+    // the general path's `_fresh`: the target's layout when the dtype changes at one shape
+    const at::Tensor& like = (target.scalar_type() != e.grad.scalar_type() &&
+                              target.sizes() == e.grad.sizes()) ? target : e.grad;
+    if (!kernel_dtype(target.scalar_type()) || like.numel() != e.grad.numel()) {
+      return py::none();
+    }
+    fresh.push_back(&e);
+    fresh_src.push_back(e.grad);
+    fresh_dst.push_back(at::empty_like(like, like.options().dtype(target.scalar_type())));
+    if (!fresh_dst.back().is_contiguous()) return py::none();  // staged by the general path
+  }
+
+  at::Tensor found = found_in.has_value()
+                         ? *found_in
+                         : at::zeros({1}, inv_scale.options().dtype(at::kFloat));
+  const auto total = static_cast<int64_t>(entries.size());
+  OptTensor flags;
+  if (per_tensor) flags = at::zeros({total}, inv_scale.options().dtype(at::kFloat));
+  const auto n_fresh = static_cast<int64_t>(fresh.size());
+  {
+    py::gil_scoped_release nogil;
+    if (n_fresh > 0) {
+      OptTensor part;
+      if (flags.has_value()) part = flags->narrow(0, 0, n_fresh);
+      run_unscale_into(fresh_src, fresh_dst, inv_scale, found, part);
+    }
+    if (!in_place.empty()) {
+      OptTensor part;
+      if (flags.has_value()) part = flags->narrow(0, n_fresh, total - n_fresh);
+      run_unscale(in_place_grads, inv_scale, found, part);
+    }
+  }
+
+  py::list assign, results, clear, flag_params;
+  for (size_t i = 0; i < fresh.size(); ++i) {
+    const Entry& e = *fresh[i];
+    assign.append(py::make_tuple(e.target, py::reinterpret_steal<py::object>(
+                                               THPVariable_Wrap(e.grad)), py::none()));
+    results.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(fresh_dst[i])));
+    flag_params.append(e.target);
+  }
+  for (const Entry* e : in_place) flag_params.append(e->target);
+  for (const Entry& e : entries) {
+    if (!e.target.is(e.source)) clear.append(e.source);
+  }
+  py::object flag_obj = flags.has_value()
+                            ? py::reinterpret_steal<py::object>(THPVariable_Wrap(*flags))
+                            : py::none();
+  return py::make_tuple(py::reinterpret_steal<py::object>(THPVariable_Wrap(found)),
+                        flag_obj, assign, results, clear, flag_params);
+}
+
+// The parameters of `params` that have a gradient (one call instead of a Python loop).
+py::list with_grads(const py::list& params) {
+  py::list out;
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* p = PyList_GET_ITEM(params.ptr(), i);
+    const at::Tensor* t = tensor_of(p);
+    if (t == nullptr) {  // not a tensor: ask Python, as a comprehension would
+      py::object grad = py::reinterpret_borrow<py::object>(p).attr("grad");
+      if (!grad.is_none()) out.append(py::reinterpret_borrow<py::object>(p));
+    } else if (t->grad().defined()) {
+      out.append(py::reinterpret_borrow<py::object>(p));
+    }
+  }
+  return out;
+}
+
+bool scalar_of(const at::Tensor& t, at::ScalarType dtype, const at::Device& device) {
+  return t.scalar_type() == dtype && t.numel() == 1 && t.device() == device &&
+         t.is_contiguous();
+}
+
+py::object next_scale_state(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                           const at::Tensor& hysteresis_tracker,
+                           const at::Tensor& overflows_since_report,
+                           const at::Tensor& scale_before_overflow,
+                           const at::Tensor& found_inf, double growth, double backoff,
+                           int64_t interval, int64_t hysteresis, double min_scale,
+                           double max_scale) {
+  const at::Device d = scale.device();
+  const auto f32 = at::ScalarType::Float;
+  const auto i32 = at::ScalarType::Int;
+  if (!scalar_of(scale, f32, d) || !scalar_of(growth_tracker, i32, d) ||
+      !scalar_of(hysteresis_tracker, i32, d) || !scalar_of(overflows_since_report, f32, d) ||
+      !scalar_of(scale_before_overflow, f32, d) || !scalar_of(found_inf, f32, d))
+    return py::none();  // the general path raises the checked errors
+  const ScaleParams p{static_cast<float>(growth),    static_cast<float>(backoff),
+                      interval,                      static_cast<int32_t>(hysteresis),
+                      static_cast<float>(min_scale), static_cast<float>(max_scale)};
+  at::Tensor s, g, h, since, before;
+  if (d.is_cpu()) {  // five scalars: no kernel launch is worth its dispatch here
+    s = at::empty_like(scale);
+    g = at::empty_like(growth_tracker);
+    h = at::empty_like(hysteresis_tracker);
+    since = at::empty_like(overflows_since_report);
+    before = at::empty_like(scale_before_overflow);
+    const float old_since = overflows_since_report.data_ptr<float>()[0];
+    const float found = found_inf.data_ptr<float>()[0];
+    *s.data_ptr<float>() = *scale.data_ptr<float>();
+    *g.data_ptr<int32_t>() = *growth_tracker.data_ptr<int32_t>();
+    *h.data_ptr<int32_t>() = *hysteresis_tracker.data_ptr<int32_t>();
+    // torch.where(since > 0, before, scale) and torch.maximum(since, found) (NaN wins)
+    *before.data_ptr<float>() =
+        old_since > 0.f ? *scale_before_overflow.data_ptr<float>() : *scale.data_ptr<float>();
+    *since.data_ptr<float>() = (std::isnan(old_since) || std::isnan(found))
+                                   ? std::numeric_limits<float>::quiet_NaN()
+                                   : std::max(old_since, found);
+    update_scale_cpu(s, g, h, found_inf, p);
+  } else {
+    s = scale.clone();
+    g = growth_tracker.clone();
+    h = hysteresis_tracker.clone();
+    before = at::where(overflows_since_report > 0, scale_before_overflow, scale);
+    since = at::maximum(overflows_since_report, found_inf);
+#ifdef AMPX_WITH_CUDA
+    update_scale_cuda(s, g, h, found_inf, p);
+#else
+    return py::none();
+#endif
+  }
+  auto wrap = [](const at::Tensor& t) {
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
+  };
+  return py::make_tuple(wrap(s), wrap(g), wrap(h), wrap(since), wrap(before));
+}
+
+}  // namespace
+
+void init_grad_pass(py::module& m) {
+  using py::arg;
+  m.def("unscale_pass", &unscale_pass, arg("sources"), arg("targets"), arg("inv_scale"),
+        arg("unit"), arg("per_tensor"), arg("found_inf") = py::none(),
+        "The clean unscale pass in one call, or None (see grad_pass.cpp).");
+  m.def("with_grads", &with_grads, arg("params"),
+        "The parameters of a list that have a gradient.");
+  m.def("next_scale_state", &next_scale_state, arg("scale"), arg("growth_tracker"),
+        arg("hysteresis_tracker"), arg("overflows_since_report"),
+        arg("scale_before_overflow"), arg("found_inf"), arg("growth"), arg("backoff"),
+        arg("interval"), arg("hysteresis"), arg("min_scale"), arg("max_scale"),
+        "LossScaler.next_state in one call: five fresh tensors.");
+}
+
+}  // namespace ampx
