@@ -47,6 +47,7 @@ from torch import nn
 
 from .. import frontend
 from ..scaling.protocol import amp_state_of, master_params
+from ..session import Amp
 
 __all__ = ["AmpxAccelerator", "AmpxAcceleratedOptimizer", "attach", "prepare"]
 
@@ -187,14 +188,18 @@ def attach(accelerator: Any, *, opt_level: str = "O1", dtype: Any = None,
     Raises:
         ValueError: When the accelerator runs its own mixed precision, is not a plain
             `Accelerator`, or already prepared a model.
+        ampx.OptionError: For options `initialize` would refuse (checked here, not at the
+            first `prepare` deep inside the caller's code).
     """
     _refuse_own_mixed_precision(accelerator)
+    options = dict(apex_kwargs, opt_level=opt_level, dtype=dtype)
+    probe = {k: v for k, v in options.items() if v is not None}
+    Amp(probe.pop("opt_level"), **probe)  # validates; the session of `prepare` is the default
     if type(accelerator) is not Accelerator or accelerator._models:
         raise ValueError(
             f"ampx.integrations.accelerate.attach: takes a plain Accelerator before it prepared "
             f"a model (got a {type(accelerator).__name__} with {len(accelerator._models)} "
             "model(s)).")
-    options = dict(apex_kwargs, opt_level=opt_level, dtype=dtype)
     accelerator.__class__ = AmpxAccelerator
     accelerator._ampx_options = options
     return accelerator

@@ -212,3 +212,8 @@ def test_attach_refuses_what_it_cannot_take_over() -> None:
     with pytest.raises(ValueError, match="before it prepared a model"):
         attach(accelerator, opt_level="O1")
     assert type(accelerator) is accelerate.Accelerator
+    AcceleratorState._reset_state(True)
+    accelerator = accelerate.Accelerator(cpu=True)
+    with pytest.raises(ampx.OptionError, match="optimization level O4"):
+        attach(accelerator, opt_level="O4")  # now, not at the Trainer's first prepare
+    assert type(accelerator) is accelerate.Accelerator and frontend.default_session() is None
