@@ -17,7 +17,7 @@ from ampx import frontend
 accelerate = pytest.importorskip("accelerate")
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
-from ampx.integrations.accelerate import prepare  # noqa: E402
+from ampx.integrations.accelerate import AmpxAccelerator, attach, prepare  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -139,3 +139,81 @@ def test_accelerates_own_mixed_precision_is_refused(mixed: str) -> None:
         prepare(accelerator, model, opt, opt_level="O1", dtype="bf16")
     assert frontend.default_session() is None and not hasattr(opt, "_ampx")
     assert all(torch.equal(a, b) for a, b in zip(weights(model), before))
+
+
+def drive_like_a_trainer(accelerator: Any, level: str, overflow_at: int | None = None
+                         ) -> tuple[nn.Module, list[tuple[bool, float]], list[float]]:
+    """The calls the transformers 5 Trainer makes on its Accelerator, and no ampx call."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    prepared, opt = accelerator.prepare(model, opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    steps, norms = [], []
+    for i, (x, y) in enumerate(accelerator.prepare(loader())):
+        loss = nn.functional.cross_entropy(prepared(x).float(), y)
+        accelerator.backward(loss * float("inf") if i == overflow_at else loss)
+        norms.append(float(accelerator.clip_grad_norm_(prepared.parameters(), 0.5)))
+        opt.step()
+        if not accelerator.optimizer_step_was_skipped:
+            sched.step()
+        prepared.zero_grad()
+        steps.append((accelerator.optimizer_step_was_skipped, sched.get_last_lr()[0]))
+    return model, steps, norms
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_attached_accelerator_runs_ampx_in_its_own_calls(level: str) -> None:
+    accelerator = attach(accelerate.Accelerator(cpu=True), opt_level=level, dtype="fp16")
+    assert type(accelerator) is AmpxAccelerator
+    model, steps, norms = drive_like_a_trainer(accelerator, level, overflow_at=2)
+    got = weights(model)
+    assert [skipped for skipped, _ in steps] == [False, False, True, False, False]
+    assert [lr for _, lr in steps] == [0.05, 0.025, 0.025, 0.0125, 0.00625]
+    assert frontend.default_session().loss_scale() == 2.0**15
+    ampx.restore()
+
+    # by hand: initialize, scale_loss, clip the masters, hold the scheduler after a skip
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt = ampx.initialize(model, opt, opt_level=level, dtype="fp16", verbosity=0)
+    want_norms = []
+    for i, (x, y) in enumerate(loader()):
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+        with ampx.scale_loss(loss * float("inf") if i == 2 else loss, opt) as scaled:
+            scaled.backward()
+        want_norms.append(float(torch.nn.utils.clip_grad_norm_(ampx.master_params(opt), 0.5)))
+        opt.step()
+        if not ampx.step_was_skipped(opt):
+            sched.step()
+        model.zero_grad()
+    assert norms[:2] == want_norms[:2] and norms[3:] == want_norms[3:]  # step 2: inf/NaN
+    assert all(torch.equal(a, b) for a, b in zip(got, weights(model)))
+
+
+def test_an_attached_accelerator_prepares_models_alone_and_loaders_as_accelerate() -> None:
+    accelerator = attach(accelerate.Accelerator(cpu=True), opt_level="O2", dtype="bf16")
+    model = mlp()
+    accelerator.prepare(model)  # an evaluation before training: nothing to initialize
+    assert model[0].weight.dtype == torch.float32 and frontend.default_session() is None
+    loss = nn.functional.cross_entropy(model(torch.randn(2, 8)), torch.tensor([0, 1]))
+    accelerator.backward(loss)
+    assert model[0].weight.grad is not None  # Accelerate's backward, unscaled
+    with pytest.raises(ValueError, match="without its model"):
+        accelerator.prepare(torch.optim.SGD(mlp().parameters(), lr=0.1))
+
+
+def test_attach_refuses_what_it_cannot_take_over() -> None:
+    with pytest.raises(ValueError, match="mixed_precision='no'"):
+        attach(accelerate.Accelerator(cpu=True, mixed_precision="bf16"), opt_level="O1")
+    AcceleratorState._reset_state(True)
+    accelerator = accelerate.Accelerator(cpu=True)
+    accelerator.prepare(mlp())
+    with pytest.raises(ValueError, match="before it prepared a model"):
+        attach(accelerator, opt_level="O1")
+    assert type(accelerator) is accelerate.Accelerator
+    AcceleratorState._reset_state(True)
+    accelerator = accelerate.Accelerator(cpu=True)
+    with pytest.raises(ampx.OptionError, match="optimization level O4"):
+        attach(accelerator, opt_level="O4")  # now, not at the Trainer's first prepare
+    assert type(accelerator) is accelerate.Accelerator and frontend.default_session() is None

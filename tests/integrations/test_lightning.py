@@ -287,3 +287,52 @@ def test_ddp_two_cpu_processes_keep_ranks_bitwise_equal(tmp_path: Path) -> None:
     assert ranks[0]["skipped"] == ranks[1]["skipped"] == 1  # rank 1's overflow skips both
     assert same(ranks[0]["weights"], ranks[1]["weights"])
     assert ranks[0]["dtype"] == "torch.float16"
+
+
+FABRIC_DDP_SCRIPT = Path(__file__).with_name("_lightning_fabric_ddp.py")
+FABRIC_DDP_CASES = ["O1-bf16", "O2-bf16", "O1-fp16", "O2-fp16"]
+
+
+@pytest.fixture(scope="module")
+def fabric_ddp(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], list[Any]]:
+    """Both ranks' numbers (results.json) and tensors (rank<R>.pt) from the Fabric DDP worker."""
+    from _two_ranks import launch
+
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    out = tmp_path_factory.mktemp("fabric_ddp")
+    numbers = launch(str(FABRIC_DDP_SCRIPT), out)
+    return numbers, [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", FABRIC_DDP_CASES)
+def test_fabric_ddp_two_cpu_processes_keep_ranks_bitwise_equal(fabric_ddp: Any, case: str
+                                                                ) -> None:
+    (num0, num1), (ten0, ten1) = ((r[case] for r in side) for side in fabric_ddp)
+    assert num0["losses"][0] != num1["losses"][0]  # each rank its own batches: the all-reduce
+    assert num0["steps"] == num1["steps"] == 5     # is what keeps the weights equal
+    assert same(ten0["params"], ten1["params"])
+    assert same(ten0["masters"], ten1["masters"])
+    assert num0["loss_scale"] == num1["loss_scale"]
+    level, dtype = case.split("-")
+    half = "torch.bfloat16" if dtype == "bf16" else "torch.float16"
+    assert num0["param_dtype"] == (half if level == "O2" else "torch.float32")
+    if level == "O2":
+        assert all(t.dtype == torch.float32 for t in ten0["masters"])
+    if dtype == "fp16":  # the inf was in rank 1's all-reduced gradients only, at step 2
+        assert num0["skipped"] == num1["skipped"] == [False, False, True, False, False]
+        assert num0["local_inf"][2] == [] and num1["local_inf"][2] != []
+        assert num0["loss_scale"] == 2.0**15  # halved once, on both ranks
+    else:
+        assert not any(num0["skipped"]) and not any(num1["skipped"])
+
+
+@pytest.mark.slow
+def test_fabric_ddp_without_the_gradient_all_reduce_the_ranks_diverge(fabric_ddp: Any) -> None:
+    """The control: the same run under `no_backward_sync` ends with different weights, so the
+    comparison above sees a rank that drifts."""
+    (num0, num1), (ten0, ten1) = ((r["O2-bf16-unsynced"] for r in side) for side in fabric_ddp)
+    assert num0["steps"] == num1["steps"] == 5
+    assert not same(ten0["params"], ten1["params"])
+    assert not same(ten0["masters"], ten1["masters"])
