@@ -437,7 +437,7 @@ def unscale_pass(sources: list[torch.Tensor], targets: list[torch.Tensor],
     if native is _reference:
         return None
     return native.unscale_pass(sources, targets, inv_scale, unit, per_tensor,
-                               found_inf)  # type: ignore[no-any-return]
+                               found_inf)
 
 
 def with_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -445,7 +445,7 @@ def with_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
     native = _state.native if _state.loaded else _ensure_loaded().native
     if native is None:
         return [p for p in params if p.grad is not None]
-    return native.with_grads(params)  # type: ignore[no-any-return]
+    return native.with_grads(params)
 
 
 def next_scale_state(state: tuple[torch.Tensor, ...], found_inf: torch.Tensor,
@@ -457,7 +457,7 @@ def next_scale_state(state: tuple[torch.Tensor, ...], found_inf: torch.Tensor,
     if native is _reference:
         return None
     growth, backoff, interval, hysteresis, min_scale, max_scale = rule
-    return native.next_scale_state(  # type: ignore[no-any-return]
+    return native.next_scale_state(
         *state, found_inf, float(growth), float(backoff), int(interval), int(hysteresis),
         float(min_scale), float(max_scale))
 

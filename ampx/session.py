@@ -8,11 +8,10 @@ from `checkpoint`. apex's module-level functions on a default session are in `fr
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -201,7 +200,6 @@ class Amp:
             logger.info("ampx run overrides %s: script passed %r, using %r", key, old, new)
 
     # -- scale_loss ---------------------------------------------------------------------------
-    @contextlib.contextmanager
     def scale_loss(
         self,
         loss: torch.Tensor,
@@ -210,8 +208,8 @@ class Amp:
         model: Any = None,
         delay_unscale: bool = False,
         delay_overflow_check: bool = False,
-    ) -> Iterator[torch.Tensor]:
-        """Yield the scaled loss; on exit unscale the gradients and check them.
+    ) -> ScaleLossBlock:
+        """A context manager yielding the scaled loss; on exit it unscales and checks.
 
         Call `.backward()` on the yielded tensor inside the block. On exit, this pass's
         gradients are unscaled (into the fp32 masters at O2, adding onto gradients of earlier
@@ -229,45 +227,12 @@ class Amp:
                 next `scale_loss` without it unscales everything. Don't step in between.
             delay_overflow_check: Don't update the scale or skip steps for this pass (apex).
 
-        Raises:
+        Raises (on entering the block):
             TypeError: If an optimizer never went through `initialize`.
             IndexError: For a `loss_id` without a scaler.
         """
-        if not self.properties.enabled:
-            yield loss
-            return
-        opts = [unwrap(opt) for opt in _optimizer_list(optimizers)]  # Lightning's, Accelerate's
-        states = [self._state_of(opt) for opt in opts]
-        if not 0 <= loss_id < len(self.scalers):
-            raise IndexError(
-                f"ampx.scale_loss: loss_id={loss_id} but num_losses={len(self.scalers)}; pass "
-                "num_losses=N to initialize to get N loss scalers."
-            )
-        if not self.scales_gradients and self.scalers[loss_id].unit_scale():
-            # apex's short-circuit (O0, O3 with fp16) while the static scale is 1.0; a scale
-            # written since (`_loss_scale = 4.0`, apex's L0 tests) scales and unscales
-            yield from _short_circuit(loss, states)
-            return
-
-        scaled = ScaledPass(opts, states, self.scalers[loss_id], self.synchronize_found_inf)
-        # One guard from begin to end: an interrupt right after `begin` returns, or at
-        # `end`'s entry, must not leave the optimizers in SCALING (abort is idempotent, and
-        # a no-op once `end` committed).
-        try:
-            scaled.begin()
-            value = self.scalers[loss_id].scale_loss_value(loss)
-            # The forward is done: backward holds the casts it needs (saved tensors) and
-            # frees each as it goes; the cache holding them too kept every half weight copy
-            # alive through backward and the unscale (O1's memory excess over autocast).
-            _drop_weight_casts()
-            yield value
-            scaled.end(loss.detach(), loss_id=loss_id, delay_unscale=delay_unscale,
-                       check=not delay_overflow_check)
-        except BaseException:
-            scaled.abort()
-            raise
-        finally:
-            patch.clear_cache()
+        return ScaleLossBlock(self, loss, optimizers, loss_id, delay_unscale,
+                              delay_overflow_check)
 
     def _policy(self) -> SessionHooks:
         """What this session hands each optimizer's state at attach."""
@@ -400,18 +365,92 @@ class Amp:
             self.overflow_watch.remove_detector()
 
 
+class ScaleLossBlock:
+    """The `with amp.scale_loss(...)` block (a class, not a generator: it runs every step).
+
+    `__enter__` checks the arguments, moves every optimizer to SCALING (or none) and returns
+    the scaled loss; `__exit__` ends the pass (unscale, check, commit all at once) or, on an
+    exception in the block, aborts it: every optimizer is as before `__enter__`. One guard
+    covers begin to end: an interrupt right after `begin` returns, or at `end`'s entry, never
+    leaves an optimizer in SCALING (abort is idempotent, and a no-op once `end` committed).
+    """
+
+    __slots__ = ("_amp", "_loss", "_optimizers", "_loss_id", "_delay_unscale", "_check",
+                 "_pass", "_states", "_mode")
+
+    def __init__(self, amp: Amp, loss: torch.Tensor, optimizers: Any, loss_id: int,
+                 delay_unscale: bool, delay_overflow_check: bool) -> None:
+        self._amp = amp
+        self._loss = loss
+        self._optimizers = optimizers
+        self._loss_id = loss_id
+        self._delay_unscale = delay_unscale
+        self._check = not delay_overflow_check
+        self._pass: ScaledPass | None = None
+        self._states: list[OptimizerAmpState] = []
+        self._mode = ""  # "off" (disabled), "short" (apex's short-circuit) or "scaled"
+
+    def __enter__(self) -> torch.Tensor:
+        amp, loss, loss_id = self._amp, self._loss, self._loss_id
+        if not amp.properties.enabled:
+            self._mode = "off"
+            return loss
+        opts = [unwrap(opt) for opt in _optimizer_list(self._optimizers)]  # Lightning's, ...
+        states = [amp._state_of(opt) for opt in opts]
+        if not 0 <= loss_id < len(amp.scalers):
+            raise IndexError(
+                f"ampx.scale_loss: loss_id={loss_id} but num_losses={len(amp.scalers)}; pass "
+                "num_losses=N to initialize to get N loss scalers."
+            )
+        scaler = amp.scalers[loss_id]
+        if not amp.scales_gradients and scaler.unit_scale():
+            # apex's short-circuit (O0, O3 with fp16) while the static scale is 1.0; a scale
+            # written since (`_loss_scale = 4.0`, apex's L0 tests) scales and unscales
+            self._mode, self._states = "short", states
+            return loss.float()
+        scaled = self._pass = ScaledPass(opts, states, scaler, amp.synchronize_found_inf)
+        self._mode = "scaled"
+        try:
+            scaled.begin()
+            value = scaler.scale_loss_value(loss)
+            # The forward is done: backward holds the casts it needs (saved tensors) and
+            # frees each as it goes; the cache holding them too kept every half weight copy
+            # alive through backward and the unscale (O1's memory excess over autocast).
+            _drop_weight_casts()
+            return value
+        except BaseException:
+            scaled.abort()
+            patch.clear_cache()
+            raise
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        mode = self._mode
+        if mode == "off":
+            return
+        try:
+            if mode == "short":
+                if exc_type is None:
+                    for state in self._states:
+                        state.last_loss = self._loss.detach()
+                return
+            scaled = self._pass
+            assert scaled is not None  # set by __enter__
+            if exc_type is not None:
+                scaled.abort()
+                return
+            try:
+                scaled.end(self._loss.detach(), loss_id=self._loss_id,
+                           delay_unscale=self._delay_unscale, check=self._check)
+            except BaseException:
+                scaled.abort()
+                raise
+        finally:
+            patch.clear_cache()
+
+
 def _drop_weight_casts() -> None:
     """`scale_loss` began (the forward is done): the weight-cast cache lets go."""
     patch.clear_cache()
-
-
-def _short_circuit(loss: torch.Tensor, states: list[OptimizerAmpState]) -> Iterator[torch.Tensor]:
-    try:
-        yield loss.float()
-    finally:
-        patch.clear_cache()
-    for state in states:
-        state.last_loss = loss.detach()
 
 
 def _optimizer_list(optimizers: Any) -> list[Any]:

@@ -79,10 +79,19 @@ def peak_memory_bytes(device: torch.device | None) -> Optional[int]:
     return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
 
 
+_REGISTRY: list[Any] = []  # ampx.registry.SESSIONS, once imported (sink runs every step)
+
+
+def _load_registry() -> Any:
+    from .registry import SESSIONS  # not at import: the sweep's reader needs no torch
+
+    _REGISTRY.append(SESSIONS)
+    return SESSIONS
+
+
 def sink() -> Telemetry | None:
     """The process's telemetry writer, or None when `AMPX_TELEMETRY` is unset."""
-    from .registry import SESSIONS as registry  # not at import: the sweep's reader needs no torch
-
+    registry = _REGISTRY[0] if _REGISTRY else _load_registry()
     path = os.environ.get(ENV_VAR) or None
     if path != registry.telemetry_path:
         if registry.telemetry is not None:

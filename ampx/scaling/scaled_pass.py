@@ -48,9 +48,12 @@ class ScaledPass:
     def begin(self) -> None:
         """Every optimizer to SCALING, or none (a failure rolls back the ones already moved)."""
         self._began_here = True
-        with self._begun.atomic():
+        try:  # (not `Journal.atomic`: this runs every step, and a generator costs)
             for opt, state in self.pairs:
                 state.begin_backward(opt, self._begun)
+        except BaseException:
+            self._begun.rollback()
+            raise
 
     def abort(self) -> None:
         """Every optimizer this pass moved back to where it was before `begin` (idempotent).
@@ -117,10 +120,13 @@ class ScaledPass:
         if check:
             self.sync(found)
             new_scaler = scaler.next_state(found)
-        with journal.atomic():
+        try:
             for (_, state), work, per in zip(self.pairs, works, flags):
                 flag = state.next_flag(found) if check and state.policy.skips else None
                 state.commit_unscale(journal, work, flag, loss_id if check else None, loss,
                                      per)
             if new_scaler is not None:
                 scaler.commit(journal, new_scaler)
+        except BaseException:
+            journal.rollback()
+            raise
