@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
@@ -515,3 +516,32 @@ def test_skip_culprits_come_from_the_overflow_reports() -> None:
     assert row.skip_culprits == [["fc2", 2], ["attn", 1]]
     assert "O1 fp16: skipped steps overflowed first in fc2 (2), attn (1)" in \
         sweep_report.format_table([row])
+
+
+def _sweep_args(**overrides: object) -> argparse.Namespace:
+    values: dict[str, object] = dict(
+        script=None, example="convnet", dtypes=["bf16"], force_apex_alias=False, script_args=[],
+        levels=["O0", "O1"], no_autocast=False, out=Path("out"), steps=3, timeout=900.0,
+        repeat=1)
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+@pytest.mark.parametrize("slowdown", [40.0, 1.5])
+def test_a_sweep_says_when_bf16_matmuls_are_slower_than_fp32_here(
+        slowdown: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sweep, "bf16_matmul_slowdown", lambda: slowdown)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    args = _sweep_args()
+    said: list[str] = []
+    sweep._notes(sweep.spec_from_args(args), args, said.append)
+    notes = [line for line in said if "bf16 matmul runs" in line]
+    if slowdown > 2:
+        assert len(notes) == 1 and "40x slower" in notes[0] and "--timeout than 900 s" in notes[0]
+    else:
+        assert notes == []
+
+
+def test_the_bf16_matmul_probe_measures_this_machine() -> None:
+    ratio = sweep.bf16_matmul_slowdown(size=64, reps=2)
+    assert math.isfinite(ratio) and ratio > 0

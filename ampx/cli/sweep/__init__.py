@@ -141,12 +141,45 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
     )
 
 
+def bf16_matmul_slowdown(size: int = 256, reps: int = 3) -> float:
+    """How many times slower a bf16 matmul is than an fp32 one on this CPU (best of `reps`).
+
+    Without native bf16 matmul kernels (no AVX512-BF16/AMX, or a torch build that does not
+    use them) torch emulates bf16 matmuls: 10-100x slower than fp32 was seen on a 2-core
+    AVX2 machine, which makes every bf16 row of a sweep slower than O0. About 30 ms there.
+    """
+    import time
+
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = a.to(dtype), b.to(dtype)
+        torch.mm(x, y)  # warm-up
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            torch.mm(x, y)
+            times.append(time.perf_counter() - start)
+        best[dtype] = max(min(times), 1e-9)
+    return best[torch.bfloat16] / best[torch.float32]
+
+
 def _notes(spec: SweepSpec, args: argparse.Namespace, say: Callable[[str], None]) -> None:
     import torch
 
     if any(c.dtype == "fp16" for c in spec.configs) and not torch.cuda.is_available():
         say("ampx sweep: note: fp16 matmuls are emulated on most CPUs and can be very slow; "
             "bf16 is the CPU's half dtype")
+    if any(c.dtype == "bf16" for c in spec.configs) and not torch.cuda.is_available():
+        slowdown = bf16_matmul_slowdown()
+        if slowdown > 2.0:
+            say(f"ampx sweep: note: a bf16 matmul runs {slowdown:.0f}x slower than an fp32 one "
+                f"on this CPU (torch {torch.__version__}, "
+                f"{torch.backends.cpu.get_cpu_capability()} kernels: no native bf16 matmul), "
+                "so the bf16 rows will be slower than O0, not faster; each may need a larger "
+                f"--timeout than {spec.timeout_s:.0f} s (or fewer --steps)")
     if spec.example is None and not args.no_autocast:
         say("ampx sweep: note: the autocast row is only produced for the built-in examples")
     what = f"example '{spec.example}'" if spec.example else str(spec.script)
