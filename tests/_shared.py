@@ -6,8 +6,10 @@ these with `from _shared import ...`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -40,3 +42,16 @@ def batch(n: int = 32, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs (n, 8) and targets (n, 4) for `mlp`, from their own generator."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state() -> Iterator[None]:
+    """Accelerate keeps one process-wide state; each test makes its own Accelerator (a
+    module that imports this fixture gets it for every test)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _shared import fresh_accelerate_state  # noqa: F401  (autouse)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -18,16 +18,6 @@ accelerate = pytest.importorskip("accelerate")
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from ampx.integrations.accelerate import AmpxAccelerator, attach, prepare  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state() -> Iterator[None]:
-    """Accelerate keeps one process-wide state; each test makes its own Accelerator."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def mlp() -> nn.Module:

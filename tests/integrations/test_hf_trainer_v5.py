@@ -10,18 +10,17 @@ bit. Skipped where transformers < 5 is installed (the test extra pins 4.x for th
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _shared import fresh_accelerate_state  # noqa: F401  (autouse)
 
 import ampx
 from ampx import frontend
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from ampx.integrations.accelerate import AmpxAccelerator, attach  # noqa: E402
 
@@ -31,16 +30,6 @@ import _hf_trainer_script as script  # noqa: E402
 sys.path.remove(str(Path(__file__).parent))
 
 STEPS = 5
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state() -> Iterator[None]:
-    """Accelerate keeps one process-wide state; each Trainer makes its own Accelerator."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 class AmpxTrainer(script.InOrderTrainer):
