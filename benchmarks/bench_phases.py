@@ -50,6 +50,17 @@ from ampx.scaling.stepping import _step_post_hook, _step_pre_hook  # noqa: E402
 PHASES = ("scale_loss entry", "scale_loss exit", "step hooks", "zero_grad handler")
 
 
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+YARDSTICKS = ("a trivial with-block", "one small tensor op")
+
+
 def gradscaler_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler, x: torch.Tensor, y: torch.Tensor,
                     times: dict[str, list[float]] | None) -> None:
@@ -61,6 +72,17 @@ def gradscaler_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
     scaled = scaler.scale(loss)
     t1 = clock()
     scaled.backward()
+    # yardsticks at the same point (right after a backward): what this machine charges for a
+    # trivial `with` block and for one small tensor op, outside any phase
+    ta = clock()
+    with _Nothing():
+        pass
+    tb = clock()
+    scaled.detach() * 2.0
+    tc = clock()
+    if times is not None:
+        times["a trivial with-block"].append(tb - ta)
+        times["one small tensor op"].append(tc - tb)
     t2 = clock()
     scaler.unscale_(opt)
     t3 = clock()
@@ -88,7 +110,7 @@ def measure(level: str, dtype: str, steps: int
     ref_model = mlp()
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-4)
     ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    ref: dict[str, list[float]] = {p: [] for p in PHASES[:3]}
+    ref: dict[str, list[float]] = {p: [] for p in (*PHASES[:3], *YARDSTICKS)}
     times: dict[str, list[float]] = {p: [] for p in PHASES}
     handler: list[float] = []
     own: list[float] = []
@@ -151,13 +173,16 @@ def main() -> None:
         q = statistics.quantiles(times[phase], n=4)
         total += q[1]
         theirs = ""
-        if phase in ref:
+        if phase in ref and phase not in YARDSTICKS:
             median = statistics.median(ref[phase])
             ref_total += median
             theirs = f"{median * 1e6:.0f}"
         print(f"| {phase} | {q[1] * 1e6:.0f} | {q[0] * 1e6:.0f}-{q[2] * 1e6:.0f} | {theirs} |")
     print(f"| fixed per-step cost (sum of medians) | {total * 1e6:.0f} | | "
           f"{ref_total * 1e6:.0f} |")
+    print()
+    print("yardsticks, right after a backward (medians): " + ", ".join(
+        f"{name} {statistics.median(ref[name]) * 1e6:.1f} us" for name in YARDSTICKS))
     print()
     print("load average after: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
 
