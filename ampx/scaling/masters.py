@@ -136,7 +136,7 @@ class ParamCache:
         models: The half model parameters of `pairs`.
         masters: The fp32 masters of `pairs`.
         others: The parameters that are not masters (the optimizer steps them directly).
-        sources: `models + others`: where this pass's scaled gradients are.
+        sources: `models + others` (derived): where this pass's scaled gradients are.
         targets: `masters + others`: what gets the unscaled gradients (aligned with sources).
     """
 
@@ -146,8 +146,8 @@ class ParamCache:
     models: list[torch.Tensor]
     masters: list[torch.Tensor]
     others: list[torch.Tensor]
-    sources: list[torch.Tensor] = field(default_factory=list)
-    targets: list[torch.Tensor] = field(default_factory=list)
+    sources: list[torch.Tensor] = field(init=False)
+    targets: list[torch.Tensor] = field(init=False)
 
     def __post_init__(self) -> None:
         self.sources = self.models + self.others
