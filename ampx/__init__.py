@@ -12,9 +12,12 @@ Importing ampx changes nothing in torch, and imports neither torch nor ampx's mo
 public name is loaded on first use (PEP 562), so `ampx --help` starts fast. Patching happens
 in `initialize` and is undone by `restore`.
 
-The public names are listed once, in the `TYPE_CHECKING` block below: type checkers read it as
-imports, and `__getattr__` reads the same block (from this file's source, on first use) to know
-which module defines each name.
+The public names are listed as data, in `_EXPORTS` (name -> the module defining it), which
+`__getattr__` reads; the `TYPE_CHECKING` block below names the same imports for type checkers
+(tests/test_structure.py checks that the two agree). Before it hands out the first public name
+the package installs the apex shell (`ampx.compat.apex.shell`: apex's private names, added
+through the session's hooks), so scripts that reach into apex's internals work however they
+got to ampx.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__ as __version__
 
-if TYPE_CHECKING:  # THE list of public names (see the module docstring)
+if TYPE_CHECKING:  # the public names for type checkers (the same as `_EXPORTS`)
     from . import amp
     from .frontend import (
         deinitialize,
@@ -58,39 +61,55 @@ if TYPE_CHECKING:  # THE list of public names (see the module docstring)
     from .session import Amp
 
 
-@functools.cache
-def _exports() -> dict[str, str]:
-    """Public name -> the submodule defining it, read from the `TYPE_CHECKING` block above."""
-    import ast
-    from pathlib import Path
+_EXPORTS: dict[str, str] = {
+    "amp": "amp",  # a submodule: `from ampx import amp`
+    **dict.fromkeys(["deinitialize", "initialize", "load_state_dict", "restore", "scale_loss",
+                     "state_dict", "step_was_skipped"], "frontend"),
+    **dict.fromkeys(["CastError", "disable_casts", "float_function", "half_function",
+                     "promote_function", "register_float_function", "register_half_function",
+                     "register_promote_function"], "o1.patch"),
+    "add_args": "options.flags",
+    **dict.fromkeys(["OptionError", "OptLevel", "Properties", "UnknownOptionError"],
+                    "options.levels"),
+    "OverflowPersistsError": "overflow.policy",
+    "OverflowReport": "overflow.report",
+    "last_overflow": "overflow.watch",
+    "CheckpointError": "scaling.checkpoint",
+    "master_params": "scaling.protocol",
+    "LossScaler": "scaling.scaler",
+    "Amp": "session",
+}
 
-    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
-    block = next(node for node in tree.body if isinstance(node, ast.If)
-                 and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
-    found: dict[str, str] = {}
-    for node in block.body:
-        assert isinstance(node, ast.ImportFrom)
-        for alias in node.names:
-            found[alias.name] = node.module or alias.name  # `from . import amp`: a submodule
-    return found
+
+def _exports() -> dict[str, str]:
+    """Public name -> the submodule (relative to the package) that defines it."""
+    return dict(_EXPORTS)
+
+
+@functools.cache
+def _install_shell() -> None:
+    """apex's private names, in place before any public name is used (see the docstring)."""
+    importlib.import_module(f"{__name__}.compat.apex.shell").install()
 
 
 def __getattr__(name: str) -> Any:
     """Load a public name (or a submodule such as `ampx.amp`) on first access."""
     if name == "__all__":
-        return sorted(_exports())
-    module = _exports().get(name)
+        return sorted(_EXPORTS)
+    module = _EXPORTS.get(name)
     if module is None:
         if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
         value: Any = importlib.import_module(f"{__name__}.{name}")
     elif module == name:
+        _install_shell()
         value = importlib.import_module(f"{__name__}.{name}")
     else:
+        _install_shell()
         value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_exports()})
+    return sorted({*globals(), *_EXPORTS})

@@ -1,8 +1,11 @@
-"""apex's module-level API (`ampx.initialize`, `ampx.scale_loss`, ...) on a default session.
+"""The module-level API (`ampx.initialize`, `ampx.scale_loss`, ...) on a default session.
 
-Each module-level `initialize` makes a new `ampx.Amp` session the default; all of them share
-apex's one list of loss scalers. This module holds that wiring only: the session itself is
-`ampx.session.Amp`, options are `ampx.options.levels`'.
+apex's API is a set of module functions over process-wide state; these are the same functions
+over one default `ampx.Amp`. Each module-level `initialize` makes a new session the default;
+all of them share one list of loss scalers, as apex's did. This module holds that wiring only:
+the session itself is `ampx.session.Amp`, options (and their defaults, read from
+`ampx.options.levels.DEFAULTS`) are `ampx.options.levels`'; apex's private names are added by
+`ampx.compat.apex` (`ampx.amp` is apex's `apex.amp` namespace over these functions).
 """
 
 from __future__ import annotations
@@ -16,9 +19,8 @@ import torch
 
 from .o1 import patch
 from .options.forced import ForcedOptions
-from .options.levels import OptionError
+from .options.levels import DEFAULTS, OptionError
 from .registry import SESSIONS
-from .scaling import apex_stash
 from .scaling.checkpoint import CheckpointError
 from .scaling.protocol import amp_state_of, master_params
 from .session import Amp, _optimizer_list
@@ -73,28 +75,29 @@ def forced_options() -> ForcedOptions:
 def initialize(
     models: Any,
     optimizers: Any = None,
-    enabled: bool = True,
-    opt_level: str = "O1",
-    cast_model_type: Any = None,
-    patch_torch_functions: Any = None,
-    keep_batchnorm_fp32: Any = None,
-    master_weights: Any = None,
-    loss_scale: Any = None,
-    cast_model_outputs: torch.dtype | None = None,
-    num_losses: int = 1,
-    verbosity: int = 1,
-    min_loss_scale: float | None = None,
-    max_loss_scale: float = 2.0**24,
+    enabled: bool = DEFAULTS.enabled,
+    opt_level: str = DEFAULTS.opt_level.value,
+    cast_model_type: Any = DEFAULTS.cast_model_type,
+    patch_torch_functions: Any = DEFAULTS.patch_torch_functions,
+    keep_batchnorm_fp32: Any = DEFAULTS.keep_batchnorm_fp32,
+    master_weights: Any = DEFAULTS.master_weights,
+    loss_scale: Any = DEFAULTS.loss_scale,
+    cast_model_outputs: torch.dtype | None = DEFAULTS.cast_model_outputs,
+    num_losses: int = DEFAULTS.num_losses,
+    verbosity: int = DEFAULTS.verbosity,
+    min_loss_scale: float | None = DEFAULTS.min_loss_scale,
+    max_loss_scale: float = DEFAULTS.max_loss_scale,
     **options: Any,
 ) -> Any:
     """apex's `amp.initialize`: same arguments, same return shapes, same option errors.
 
-    Defaults are `ampx.Properties`' (a test keeps them equal); extra keyword options are
-    those of `Amp` (`dtype`, `init_scale`, `skip_non_finite`, `sync_overflow`, ...).
+    Defaults are read from `ampx.options.levels.DEFAULTS` (`ampx.Properties`' field
+    defaults); extra keyword options are those of `Amp` (`dtype`, `init_scale`,
+    `skip_non_finite`, `sync_overflow`, ...).
 
     Calling it again starts a new default session, as in apex: the loss scalers are
     rebuilt, and `loss_id` then picks the fresh scalers for *every* optimizer a module-level
-    `initialize` returned, the earlier ones too (apex's one `_amp_state.loss_scalers` list;
+    `initialize` returned, the earlier ones too (apex's one list of loss scalers;
     `ampx.Amp` sessions keep scalers of their own). The previous session's O1 patches are
     replaced (or removed when the new level is not O1). A disabled `initialize` leaves the
     scalers as they were.
@@ -117,8 +120,8 @@ def initialize(
         min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale, **options,
     )
     result = amp.initialize(models, optimizers)
-    # apex's `_amp_state.loss_scalers`: one list, shared by every session the module-level
-    # `initialize` made, refilled by each of them (so `loss_id` means the same scaler for all).
+    # apex's one list of loss scalers, shared by every session the module-level `initialize`
+    # made, refilled by each of them (so `loss_id` means the same scaler for all).
     if amp.enabled:
         SESSIONS.scalers[:] = amp.scalers
     amp.scalers = SESSIONS.scalers
@@ -207,13 +210,15 @@ def restore() -> None:
     """Undo O1's patching: torch, torch.Tensor and torch.nn.functional get their original objects.
 
     Models and optimizers keep their casts and hooks, except the forward overflow detector's
-    (``detect_overflow="forward"``), which come off; the default session is forgotten (the
-    optimizers it returned keep using the shared loss scalers until the next `initialize`).
+    (``detect_overflow="forward"``), which come off, and what the registered extensions added
+    (apex's private optimizer names); the default session is forgotten (the optimizers it
+    returned keep using the shared loss scalers until the next `initialize`).
     """
     if SESSIONS.default is not None:
         SESSIONS.default.remove_detector()
     patch.deactivate()
-    apex_stash.detach_all()
+    for extension in SESSIONS.extensions:
+        extension.detach_all()
     SESSIONS.default = None
 
 

@@ -1,15 +1,17 @@
 """`initialize` as one transaction: check what it is handed, prepare it, or change nothing.
 
 `check_inputs` refuses bad models and optimizers before anything is touched. `prepare` casts
-the models, recasts optimizer state, attaches the optimizers, moves the scalers and installs
-O1's patches; every change is recorded in a `Journal` (the one rollback idiom), and on any
-exception (including KeyboardInterrupt) the journal is rolled back, so models, optimizers
-(state, step hooks, attributes) and torch are exactly as they were handed in.
+the models, recasts optimizer state, attaches the optimizers (and the registered
+`OptimizerExtension`s), moves the scalers and installs O1's patches; every change is recorded
+in a `Journal` (the one rollback idiom), and on any exception (including KeyboardInterrupt)
+the journal is rolled back, so models, optimizers (state, step hooks, attributes) and torch are
+exactly as they were handed in. Both take everything they use as arguments: the session
+(`ampx.session.Amp.initialize`) calls them and is never called back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +20,8 @@ from torch import nn
 
 from .model import ModelCast, cast_model, check_models, device_types_of
 from .o1 import patch
-from .options.levels import OptionError
-from .scaling import apex_stash
+from .options.levels import OptionError, Properties
+from .registry import OptimizerExtension
 from .scaling.journal import Journal
 from .scaling.masters import MasterMap, install_masters, optimizer_params, recast_state
 from .scaling.protocol import SessionHooks
@@ -55,8 +57,11 @@ class Prepared:
     o1: patch.O1Patches | None
 
 
-def check_inputs(models: Any, optimizers: Any, *, casts_model: bool) -> Inputs:
+def check_inputs(models: Any, optimizers: Any, *, casts_model: bool,
+                 extensions: Sequence[OptimizerExtension] = ()) -> Inputs:
     """Check the models and optimizers handed to `initialize`; touches nothing.
+
+    Each extension's `check` sees every optimizer, right after the optimizers' own checks.
 
     Raises:
         TypeError: For models/optimizers of the wrong type (apex's messages).
@@ -67,6 +72,9 @@ def check_inputs(models: Any, optimizers: Any, *, casts_model: bool) -> Inputs:
     """
     model_list, models_was_list = check_models(models)
     opt_list, opts_was_list = check_optimizers(optimizers)
+    for opt in opt_list:
+        for extension in extensions:
+            extension.check(opt)
     owner: dict[int, int] = {}
     for i, model in enumerate(model_list):
         _check_materialized(i, model)
@@ -101,20 +109,21 @@ def _check_materialized(index: int, model: nn.Module) -> None:
                 "weights) before ampx.initialize.")
 
 
-def prepare(session: Any, inputs: Inputs, policy: SessionHooks) -> Prepared:
-    """Cast, attach and patch for `session`; all or nothing.
+def prepare(inputs: Inputs, props: Properties, scalers: Sequence[Any], *, owner: object,
+            hooks: SessionHooks, extensions: Sequence[OptimizerExtension] = ()) -> Prepared:
+    """Cast, attach and patch; all or nothing.
 
     Args:
-        session: The `ampx.Amp` being initialized (its `properties` and `scalers` are read;
-            it becomes the optimizers' session). Not imported here: `session` imports this
-            module.
         inputs: What `check_inputs` returned.
-        policy: The session's policy, handed to each optimizer's state.
+        props: The session's resolved options.
+        scalers: The session's loss scalers (moved to the gradients' device).
+        owner: The session, stored opaquely in each optimizer's state (never called here).
+        hooks: The session's hooks, handed to each optimizer's state.
+        extensions: Added to each optimizer once ampx's state is on it.
 
     Raises:
         BaseException: Whatever a step raised, after every change was undone.
     """
-    props = session.properties
     journal = Journal()
     casts: list[ModelCast] = []
     with journal.atomic():
@@ -136,10 +145,11 @@ def prepare(session: Any, inputs: Inputs, policy: SessionHooks) -> Prepared:
             install_masters(opt, masters)
             if props.cast_model_type is not None:
                 recast_state(opt)
-            attach(opt, session, masters, policy)
-            apex_stash.attach(opt)  # apex's private names (_amp_stash, ...) as views
+            attach(opt, owner, masters, hooks)
+            for extension in extensions:
+                extension.attach(opt, journal)
         device = _first_device(inputs)
-        for scaler in session.scalers:
+        for scaler in scalers:
             scaler.to_(device)
         o1 = None
         if props.patch_torch_functions:

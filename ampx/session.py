@@ -1,9 +1,15 @@
 """`Amp`: one mixed-precision session (its options, loss scalers, and what it initialized).
 
 The session wires the pieces together and holds no algorithm: options come from
-`opt_levels`, `initialize`'s transaction from `initializer`, patching from `patch`, scaling
-from `scaler`, the scaled-backward protocol from `optimizer`/`scaled_pass` and checkpoints
-from `checkpoint`. apex's module-level functions on a default session are in `frontend`.
+`ampx.options.levels`, `initialize`'s transaction from `ampx.initializer` (functions given
+everything they use), O1's patching from `ampx.o1.patch`, scaling from
+`ampx.scaling.scaler`, the scaled-backward protocol from `ampx.scaling.protocol` and
+`ampx.scaling.scaled_pass`, checkpoints from `ampx.scaling.checkpoint`. The module-level
+functions on a default session are in `ampx.frontend`.
+
+The session offers one hook to what is layered above it: `add_extension` registers an
+`OptimizerExtension`, which every session then adds to the optimizers it initializes, inside
+`initialize`'s transaction (apex's private optimizer names, `ampx.compat.apex.shell`).
 """
 
 from __future__ import annotations
@@ -19,20 +25,31 @@ import torch
 from . import distributed, initializer, telemetry
 from .model import ModelCast
 from .o1 import patch
-from .options.levels import Properties, brief, resolve_properties
+from .options.levels import DEFAULTS, Properties, brief, resolve_properties
 from .options.values import HALF_DTYPES, dtype_name, parse_bool
 from .overflow.report import OverflowReport
 from .overflow.watch import OverflowWatch
-from .registry import SESSIONS
+from .registry import SESSIONS, OptimizerExtension
 from .scaling import checkpoint
 from .scaling.masters import optimizer_params
 from .scaling.protocol import OptimizerAmpState, SessionHooks, amp_state_of, unwrap
 from .scaling.scaled_pass import ScaledPass
 from .scaling.scaler import LossScaler
 
-__all__ = ["Amp"]
+__all__ = ["Amp", "add_extension"]
 
 logger = logging.getLogger("ampx")
+
+
+def add_extension(extension: OptimizerExtension) -> None:
+    """Have every later `initialize` add `extension` to its optimizers (once; idempotent).
+
+    The extension's `check` runs with initialize's input checks, its `attach` inside the
+    transaction (rolled back with it), and the module-level `ampx.restore()` calls its
+    `detach_all`.
+    """
+    if not any(e is extension for e in SESSIONS.extensions):
+        SESSIONS.extensions.append(extension)
 
 
 class Amp:
@@ -69,7 +86,7 @@ class Amp:
             optimizer.step()
     """
 
-    def __init__(self, opt_level: str = "O1", *, sync_overflow: bool = True,
+    def __init__(self, opt_level: str = DEFAULTS.opt_level.value, *, sync_overflow: bool = True,
                  process_group: Any = None, **overrides: Any) -> None:
         self.requested: dict[str, Any] = {"opt_level": opt_level, **overrides}
         forced = SESSIONS.forced
@@ -157,11 +174,13 @@ class Amp:
         if not props.enabled:
             self._initialized = True
             return models if optimizers is None else (models, optimizers)
-        inputs = initializer.check_inputs(models, optimizers,
+        extensions = list(SESSIONS.extensions)
+        inputs = initializer.check_inputs(models, optimizers, extensions=extensions,
                                           casts_model=props.cast_model_type is not None)
         self._check_param_dtypes(inputs.models)
         self._log_properties()
-        prepared = initializer.prepare(self, inputs, self._policy())
+        prepared = initializer.prepare(inputs, props, self.scalers, owner=self,
+                                       hooks=self._hooks(), extensions=extensions)
         self.models, self.optimizers = inputs.models, inputs.optimizers
         self._model_casts, self._o1 = prepared.casts, prepared.o1
         if props.scales_gradients:
@@ -234,12 +253,12 @@ class Amp:
         return ScaleLossBlock(self, loss, optimizers, loss_id, delay_unscale,
                               delay_overflow_check)
 
-    def _policy(self) -> SessionHooks:
+    def _hooks(self) -> SessionHooks:
         """What this session hands each optimizer's state at attach."""
         return SessionHooks(scales=self.scales_gradients, skips=self.skips_non_finite,
-                      master_weights=bool(self.properties.master_weights),
-                      per_tensor=self.scales_gradients, on_overflow=self._report_overflow,
-                      on_skip=self._on_skip, on_step=self.record_step)
+                            master_weights=bool(self.properties.master_weights),
+                            per_tensor=self.scales_gradients, on_overflow=self._report_overflow,
+                            on_skip=self._on_skip, on_step=self.record_step)
 
     def _report_overflow(self, loss_ids: Any) -> None:
         if self.overflow_watch is None:  # else _on_skip logs, with the provenance

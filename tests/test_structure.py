@@ -7,6 +7,7 @@ change that breaks one fails here rather than in review.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -83,15 +84,16 @@ def test_internals_module_map_is_the_real_import_graph() -> None:
         "`python -m ampx._docs module-map` and paste it between the markers")
 
 
-# Imports run one way (docs/internals.md): cli -> integrations/compat -> session/frontend ->
-# o1/scaling/overflow/model -> registry/distributed/telemetry -> options -> kernels.
+# Imports run one way (docs/internals.md): cli -> integrations/compat (and `ampx.amp`, apex's
+# namespace) -> session/frontend -> o1/scaling/overflow/model -> registry/distributed/telemetry
+# -> options -> kernels.
 _LAYERS: tuple[tuple[int, tuple[str, ...]], ...] = (
     (0, ("ampx._version", "ampx._reference", "ampx._ext", "ampx._build", "ampx._build_cuda")),
     (1, ("ampx.options",)),
     (2, ("ampx.registry", "ampx.distributed", "ampx.telemetry")),
     (3, ("ampx.o1", "ampx.scaling", "ampx.overflow", "ampx.model")),
-    (4, ("ampx.initializer", "ampx.session", "ampx.frontend", "ampx.amp")),
-    (5, ("ampx.compat", "ampx.integrations", "ampx.examples")),
+    (4, ("ampx.initializer", "ampx.session", "ampx.frontend")),
+    (5, ("ampx.compat", "ampx.integrations", "ampx.examples", "ampx.amp")),
 )
 _TOP = 6  # the command line, entry points (`__main__`), the docs generators, the package
 
@@ -125,3 +127,91 @@ def test_every_module_has_a_layer() -> None:
 def test_the_layer_check_finds_a_back_edge() -> None:
     """The checker itself is not vacuous: the core importing compat is caught."""
     assert layer("ampx.compat.apex_alias") > layer("ampx.frontend") > layer("ampx.scaling.scaler")
+
+
+# -- apex as the outer shell: the engine holds none of apex's private names --------------------
+
+# apex's private names: `_amp_state`, `_amp_stash`, `_amp_lazy_init`, `_prepare_amp_backward`,
+# `_post_amp_backward` (all of them hold "_amp_"), the other private optimizer methods, and
+# LossScaler's private members. Torch's own names that hold "_amp_" are not apex's.
+_APEX_PATTERN = re.compile(r"_amp_")
+_APEX_NAMES = frozenset({
+    "_lazy_init_maybe_master_weights", "_master_params_to_model_params", "_loss_scale",
+    "_unskipped", "_scale_seq_len", "_min_loss_scale", "_max_loss_scale", "_has_overflow",
+    "clear_overflow_state", "unscale_with_stashed", "update_scale",
+})
+_TORCH_NAMES = frozenset({"_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_",
+                          "_step_supports_amp_scaling"})
+# What may import ampx.compat: compat itself, the command line, the integrations, and the
+# public surface (the package's `__init__`, `ampx.amp`: apex's namespace).
+_COMPAT_IMPORTERS = ("ampx.compat", "ampx.cli", "ampx.integrations")
+_PUBLIC = ("ampx", "ampx.amp", "ampx.__main__")
+
+
+def _names(tree: ast.AST) -> set[str]:
+    """Every identifier a module defines or uses, and every identifier-like string in it."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            out.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.arg):
+            out.add(node.arg)
+        elif isinstance(node, ast.keyword) and node.arg is not None:
+            out.add(node.arg)
+        elif isinstance(node, ast.alias):
+            out.update((node.asname or node.name).split("."))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and node.value.isidentifier():
+            out.add(node.value)
+    return out
+
+
+def apex_names(tree: ast.AST) -> list[str]:
+    """apex's private names in a module (see `_APEX_PATTERN`, `_APEX_NAMES`)."""
+    return sorted(n for n in _names(tree) - _TORCH_NAMES
+                  if _APEX_PATTERN.search(n) or n in _APEX_NAMES)
+
+
+_ENGINE = [p for p in MODULES if layer(_name(p)) < layer("ampx.compat")]
+
+
+@pytest.mark.parametrize("path", _ENGINE, ids=_name)
+def test_the_engine_holds_no_apex_private_name(path: Path) -> None:
+    found = apex_names(_tree(path))
+    assert not found, (f"{_name(path)} names apex's private {found}: they belong to the apex "
+                       "shell (ampx/compat/apex), attached through the session's hooks")
+
+
+def test_the_apex_name_check_finds_apex_names() -> None:
+    """The checker itself is not vacuous, and the engine list is not empty."""
+    tree = ast.parse("opt._amp_stash = 1\nhasattr(s, '_loss_scale')\ngetattr(o, '_ampx')\n"
+                     "torch._amp_update_scale_(x)\nfrom apex.amp import _amp_state")
+    assert apex_names(tree) == ["_amp_stash", "_amp_state", "_loss_scale"]
+    assert {"ampx.session", "ampx.scaling.scaler", "ampx.frontend"} <= set(map(_name, _ENGINE))
+
+
+def test_only_the_outer_layers_import_compat() -> None:
+    graph = import_graph()
+    inward = [f"{a} -> {b}" for a, targets in sorted(graph.items()) for b in sorted(targets)
+              if (b == "ampx.compat" or b.startswith("ampx.compat."))
+              and a not in _PUBLIC and not any(a == p or a.startswith(p + ".")
+                                               for p in _COMPAT_IMPORTERS)]
+    assert not inward, "imports of ampx.compat from inside: " + "; ".join(inward)
+
+
+def test_the_exports_are_data_and_match_the_type_checking_block() -> None:
+    """`ampx._EXPORTS` (read at run time) names what the TYPE_CHECKING imports name."""
+    import ampx
+
+    tree = _tree(PACKAGE / "__init__.py")
+    block = next(node for node in tree.body if isinstance(node, ast.If)
+                 and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+    imported = {alias.name: node.module or alias.name for node in block.body
+                if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert imported == ampx._exports()
+    assert "ast" not in {alias.name for node in ast.walk(tree)
+                         if isinstance(node, ast.Import) for alias in node.names}

@@ -59,7 +59,7 @@ def _argtype(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
     return convert
 
 
-_loss_scale = _argtype(lambda v: parse_loss_scale(v, api="--loss-scale"), "loss scale")
+_loss_scale_arg = _argtype(lambda v: parse_loss_scale(v, api="--loss-scale"), "loss scale")
 _keep_bn = _argtype(lambda v: parse_bool("keep_batchnorm_fp32", v, api="--keep-batchnorm-fp32"),
                     "True/False")
 _masters = _argtype(lambda v: parse_bool("master_weights", v, api="--master-weights"),
@@ -80,7 +80,7 @@ AMPX_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         default=DTYPE_CHOICES[0], choices=DTYPE_CHOICES,
         help="half-precision dtype of the ampx session (default: %(default)s)")),
     ("--loss-scale", "loss_scale", dict(
-        default=None, type=_loss_scale, metavar="{dynamic,N}",
+        default=None, type=_loss_scale_arg, metavar="{dynamic,N}",
         help="'dynamic' or a static loss scale (default: the opt level's: dynamic for fp16 "
              "O1/O2, 1.0 for O0/O3 and for bf16)")),
     ("--init-scale", "init_scale", dict(

@@ -1,3 +1,3 @@
 """Loss scaling and the scaled-backward protocol: the scaler, one stage machine per optimizer
-(`protocol`), a `scale_loss` pass, unscaling, stepping, fp32 masters, checkpoints, the journal
-every transition commits through, and apex's private optimizer names (`apex_stash`)."""
+(`protocol`), a `scale_loss` pass, unscaling, stepping, fp32 masters, checkpoints, and the
+journal every transition commits through."""

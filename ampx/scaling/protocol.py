@@ -12,8 +12,9 @@ single owner of the protocol, with an explicit `Stage` (as `torch.amp.GradScaler
 - `begin_backward` moves existing gradients aside (the stash) so backward writes only its own;
 - `abort_backward` (an exception inside `scale_loss`) puts everything back as it was;
 - `ScaledPass.end` (`ampx.scaling.scaled_pass`) unscales this pass's gradients into fresh buffers
-  (`ampx.scaling.unscale`), flags inf/NaN, computes the next scaler state, then commits it all at
-once; - `decide_step` / `after_step` run from torch's step hooks (`ampx.scaling.stepping`): the skip
+  (`ampx.scaling.unscale`), flags inf/NaN, computes the next scaler state, then commits it all
+  at once;
+- `decide_step` / `after_step` run from torch's step hooks (`ampx.scaling.stepping`): the skip
   decision (one host sync, or none for fused optimizers that take the device flag), and the
   master -> model copy;
 - `zero_grad` starts a new update (at O2 it also releases the half model gradients).

@@ -12,8 +12,10 @@ Host synchronisation, all of it:
   `decide_step`), to decide whether the step is skipped; on clean steps that is the only one;
   none for fused torch optimizers, which take the device flag;
 - on skipped steps only, `report_overflow` reads the flag and the old and new scale to log;
-- reading a value as a Python number (`loss_scale()`, the apex-style `_loss_scale` and
-  `_unskipped` attributes, `state_dict()`) synchronises once per call.
+- reading a value as a Python number (`loss_scale()`, `clean_steps`, `state_dict()`)
+  synchronises once per call.
+
+apex's private members (`_loss_scale`, `update_scale`, ...) are added by `ampx.compat.apex`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 
 from .. import _ext
-from ..options.levels import LossScale
+from ..options.levels import DEFAULTS, LossScale
 from . import checkpoint
 from .journal import Journal
 
@@ -85,13 +87,13 @@ class LossScaler:
         self,
         loss_scale: LossScale = "dynamic",
         *,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
-        min_loss_scale: float | None = None,
-        max_loss_scale: float = 2.0**24,
+        init_scale: float = DEFAULTS.init_scale,
+        growth_factor: float = DEFAULTS.growth_factor,
+        backoff_factor: float = DEFAULTS.backoff_factor,
+        growth_interval: int = DEFAULTS.growth_interval,
+        hysteresis: int = DEFAULTS.hysteresis,
+        min_loss_scale: float | None = DEFAULTS.min_loss_scale,
+        max_loss_scale: float = DEFAULTS.max_loss_scale,
         loss_id: int = 0,
         device: torch.device | str = "cpu",
     ) -> None:
@@ -144,7 +146,7 @@ class LossScaler:
 
         Then unscaling multiplies by exactly 1, which changes no value: gradients can be
         checked in place instead of copied (`ampx.scaling.unscale`). Known from the constructor and
-        the `_loss_scale` setter; anything else that writes the scale tensor (or replaces
+        `set_scale`; anything else that writes the scale tensor (or replaces
         it) voids the knowledge, through the tensor's identity and version counter.
         """
         mark = self._unit_mark
@@ -311,105 +313,20 @@ class LossScaler:
         """
         return float(self._scale.item())
 
-    # -- apex's private attributes, read and written by real scripts --------------------------
-    @property
-    def _loss_scale(self) -> float:
-        return self.loss_scale()
-
-    @_loss_scale.setter
-    def _loss_scale(self, value: float) -> None:
+    # -- host-side access (syncs) -------------------------------------------------------------
+    def set_scale(self, value: float) -> None:
+        """Write the scale from the host (a static 1.0 written here is known without a sync)."""
         self._scale.fill_(float(value))
         self._mark_unit(not self.dynamic and float(value) == 1.0)
 
     @property
-    def _unskipped(self) -> int:
+    def clean_steps(self) -> int:
+        """Clean steps since the last growth or overflow (the growth tracker; syncs once)."""
         return int(self._growth_tracker.item())
 
-    @_unskipped.setter
-    def _unskipped(self, value: int) -> None:
+    @clean_steps.setter
+    def clean_steps(self, value: int) -> None:
         self._growth_tracker.fill_(int(value))
-
-    @property
-    def _scale_seq_len(self) -> int:
-        return self.growth_interval
-
-    @_scale_seq_len.setter
-    def _scale_seq_len(self, value: int) -> None:
-        self.growth_interval = int(value)
-
-    @property
-    def _min_loss_scale(self) -> float | None:
-        return self.min_loss_scale
-
-    @property
-    def _max_loss_scale(self) -> float:
-        return self.max_loss_scale
-
-    # -- apex's methods for scripts that drive the scaler by hand ---------------------------
-    @property
-    def _has_overflow(self) -> bool:
-        """Whether a hand-driven `unscale` since `clear_overflow_state` saw inf/NaN (syncs)."""
-        return bool(self._manual_found().item() > 0)
-
-    def _manual_found(self) -> torch.Tensor:
-        found = getattr(self, "_hand_found", None)
-        if found is None or found.device != self.device:
-            found = self._hand_found = torch.zeros(1, dtype=torch.float32, device=self.device)
-        return found
-
-    def clear_overflow_state(self) -> None:
-        """apex: forget the overflow seen by earlier hand-driven `unscale` calls."""
-        self._manual_found().zero_()
-
-    def unscale(self, model_grads: list[torch.Tensor], master_grads: list[torch.Tensor],
-                unused_scale: Any = None, models_are_masters: bool = False,
-                scale_override: float | None = None) -> None:
-        """apex: ``master = model / scale`` (in place when they are the same), flag inf/NaN.
-
-        Args:
-            model_grads: The scaled gradients.
-            master_grads: Where the unscaled gradients go (float32 in apex's O2).
-            unused_scale: Ignored (apex's signature).
-            models_are_masters: The lists are the same tensors (unscale in place).
-            scale_override: Divide by this instead of the current scale.
-        """
-        inv = self._inverse(scale_override)
-        found = self._manual_found()
-        pairs = [(m, d) for m, d in zip(model_grads, master_grads) if m is not None]
-        same = [m for m, d in pairs if models_are_masters or m is d]
-        apart = [(m, d) for m, d in pairs if not (models_are_masters or m is d)]
-        _ext.unscale_(same, inv, found)
-        _ext.unscale_into_([m for m, _ in apart], [d for _, d in apart], inv, found)
-
-    def unscale_with_stashed(self, model_grads: list[torch.Tensor],
-                             stashed_master_grads: list[torch.Tensor],
-                             master_grads: list[torch.Tensor],
-                             scale_override: Any = None) -> None:
-        """apex: ``master = model / scale + stashed``; only the new gradients are checked."""
-        grads_scale = scale_override[0] if isinstance(scale_override, tuple) else None
-        inv = self._inverse(grads_scale)
-        found = self._manual_found()
-        for model, stashed, out in zip(model_grads, stashed_master_grads, master_grads):
-            if out is not stashed:
-                out.copy_(stashed)
-            _ext.unscale_into_([model], [out], inv, found, accumulate=True)
-
-    def update_scale(self) -> bool:
-        """apex: update the scale from the hand-driven overflow flag; True: skip this step.
-
-        A static scaler never skips (apex) and counts the step as clean.
-
-        .. note:: Synchronises with the device once.
-        """
-        found = self._manual_found()
-        overflow = bool(found.item() > 0)
-        self.update_(found.clone() if self.dynamic else torch.zeros_like(found))
-        return overflow and self.dynamic
-
-    def _inverse(self, scale: float | None) -> torch.Tensor:
-        if scale is None:
-            return self.inv_scale()
-        return torch.full((1,), 1.0 / float(scale), dtype=torch.float32, device=self.device)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -419,7 +336,7 @@ class LossScaler:
         """
         return {
             "loss_scale": self.loss_scale(),
-            "unskipped": self._unskipped,
+            "unskipped": self.clean_steps,
             "version": STATE_VERSION,
             "dynamic": self.dynamic,
             "hysteresis_tracker": int(self._hysteresis_tracker.item()),

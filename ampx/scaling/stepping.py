@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from ..o1 import regions
-from .apex_stash import METHOD_NAMES
 from .masters import MasterMap
 from .protocol import ATTR, OptimizerAmpState, SessionHooks, Stage, amp_state_of
 
@@ -71,13 +70,10 @@ def check_optimizers(optimizers: Any) -> tuple[list[torch.optim.Optimizer], bool
     if len({id(o) for o in out}) != len(out):
         raise RuntimeError("ampx.initialize: the same optimizer appears twice in the list.")
     for opt in out:
-        if amp_state_of(opt) is not None or hasattr(opt, "_amp_stash"):
+        if amp_state_of(opt) is not None:
             raise RuntimeError(
                 "A given optimizer should only be passed through amp.initialize once."
             )
-        for name in METHOD_NAMES:
-            if hasattr(opt, name):
-                raise RuntimeError(f"Incoming optimizer already has {name} defined.")
     return out, was_list
 
 
@@ -120,16 +116,16 @@ class _Detach:
 
 
 def attach(optimizer: torch.optim.Optimizer, owner: object, masters: MasterMap,
-           policy: SessionHooks) -> OptimizerAmpState:
+           session_hooks: SessionHooks) -> OptimizerAmpState:
     """Give `optimizer` its ampx state, step hooks and zero_grad handler.
 
     Args:
         optimizer: The optimizer (kept as is: same object, same class).
-        owner: The session, stored opaquely for the frontend.
+        owner: The session, stored opaquely (its module functions find it there).
         masters: The O2 model-parameter -> master map.
-        policy: What the session decided (skip policy, callbacks).
+        session_hooks: What the session decided (skip policy, callbacks).
     """
-    state = OptimizerAmpState(owner=owner, policy=policy, masters=masters)
+    state = OptimizerAmpState(owner=owner, policy=session_hooks, masters=masters)
     state._groups_seen = len(optimizer.param_groups)
     handler = _ZeroGrad(optimizer, vars(optimizer).get("zero_grad"))
     state.handles.append(optimizer.register_step_pre_hook(_step_pre_hook))

@@ -18,8 +18,8 @@ from torch import nn
 
 import ampx
 from ampx import amp
+from ampx.compat.apex import stash as apex_stash
 from ampx.compat.apex.optimizers import FusedLAMB
-from ampx.scaling import apex_stash
 
 REPO = Path(__file__).resolve().parents[2]
 PRIVATE_NAMES = ("_amp_stash", *apex_stash.METHOD_NAMES)

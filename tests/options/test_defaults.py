@@ -1,4 +1,4 @@
-"""Each default is written once: entry-point defaults are `ampx.Properties` field defaults."""
+"""Each default is written once, in `ampx.options.levels.DEFAULTS`; the entry points read it."""
 
 from __future__ import annotations
 

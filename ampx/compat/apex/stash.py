@@ -10,7 +10,9 @@ saved masters into `amp.master_params(optimizer)`; custom `scale_loss` loops cal
 `attach(optimizer)` binds the same names as instance attributes of an optimizer that went
 through ampx's initialize (its class, `step` and `state_dict()` are untouched; the names are
 never pickled, because torch pickles only an optimizer's defaults, state and groups).
-`detach(optimizer)` and `detach_all()` (called by `ampx.restore()`) remove them. Every value is
+`detach(optimizer)` and `detach_all()` (called by `ampx.restore()`) remove them. `PRIVATES`
+does all three as the session's `OptimizerExtension` (`ampx.compat.apex.shell` registers
+it), so every session's `initialize` binds the names inside its transaction. Every value is
 computed from ampx's own per-optimizer state when it is read, so none is a second copy of the
 truth: `all_fp32_from_fp16_params` holds the very master `Parameter` objects the optimizer steps.
 
@@ -27,20 +29,24 @@ from typing import Any
 
 import torch
 
-from .. import _ext
-from ..options.values import HALF_DTYPES
-from ..registry import SESSIONS
-from .journal import Journal
-from .protocol import OptimizerAmpState, Stage, amp_state_of
-from .scaled_pass import ScaledPass
-from .scaler import LossScaler
+from ... import _ext
+from ...options.values import HALF_DTYPES
+from ...scaling.journal import Journal
+from ...scaling.protocol import OptimizerAmpState, Stage, amp_state_of
+from ...scaling.scaled_pass import ScaledPass
+from ...scaling.scaler import LossScaler
 
-__all__ = ["METHOD_NAMES", "AmpStash", "attach", "detach", "detach_all", "is_attached"]
+__all__ = ["METHOD_NAMES", "PRIVATES", "AmpStash", "ApexPrivates", "attach", "detach",
+           "detach_all", "is_attached"]
 
 logger = logging.getLogger("ampx")
 
 METHOD_NAMES = ("_lazy_init_maybe_master_weights", "_master_params_to_model_params",
                 "_prepare_amp_backward", "_post_amp_backward", "_amp_lazy_init")
+
+
+# the optimizers carrying the names, so that `restore()` removes them all
+_ATTACHED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 # -- adapter: the only code that reads ampx.scaling.protocol's internals --------------------
@@ -406,7 +412,7 @@ def attach(optimizer: torch.optim.Optimizer) -> None:
     try:
         for name, value in names.items():
             setattr(optimizer, name, value)
-        SESSIONS.apex_stashes.add(optimizer)
+        _ATTACHED.add(optimizer)
     except BaseException:
         detach(optimizer)
         raise
@@ -425,10 +431,39 @@ def detach(optimizer: torch.optim.Optimizer) -> None:
     for name in METHOD_NAMES:
         if isinstance(attrs.get(name), _PrivateMethod):
             del attrs[name]
-    SESSIONS.apex_stashes.discard(optimizer)
+    _ATTACHED.discard(optimizer)
 
 
 def detach_all() -> None:
     """Remove the names from every optimizer that has them (`ampx.restore()`)."""
-    for optimizer in list(SESSIONS.apex_stashes):
+    for optimizer in list(_ATTACHED):
         detach(optimizer)
+
+
+class ApexPrivates:
+    """The names above as the session's `OptimizerExtension` (`ampx.session.add_extension`)."""
+
+    def check(self, optimizer: torch.optim.Optimizer) -> None:
+        """apex's refusals of an optimizer that already carries the names (before any change).
+
+        Raises:
+            RuntimeError: With apex's messages.
+        """
+        if hasattr(optimizer, "_amp_stash"):
+            raise RuntimeError(
+                "A given optimizer should only be passed through amp.initialize once.")
+        for name in METHOD_NAMES:
+            if hasattr(optimizer, name):
+                raise RuntimeError(f"Incoming optimizer already has {name} defined.")
+
+    def attach(self, optimizer: torch.optim.Optimizer, journal: Journal) -> None:
+        """Bind the names inside initialize's transaction; its rollback removes them."""
+        attach(optimizer)
+        journal.record(lambda: detach(optimizer))
+
+    def detach_all(self) -> None:
+        """Remove the names from every optimizer (`ampx.restore()`)."""
+        detach_all()
+
+
+PRIVATES = ApexPrivates()
