@@ -45,7 +45,7 @@ def test_apex_checkpoint_loads():
     amp = ampx.frontend.default_session()
     assert amp is not None
     assert [s.loss_scale() for s in amp.scalers] == [1024.0, 8.0]
-    assert [s._unskipped for s in amp.scalers] == [17, 3]
+    assert [s.clean_steps for s in amp.scalers] == [17, 3]
     assert ampx.amp._amp_state.loss_scalers[0]._loss_scale == 1024.0
 
 

@@ -255,7 +255,7 @@ def test_two_losses_accumulate(level, loss_scale, half_dtype):
     model, opt = setup(level, half_dtype, num_losses=2, loss_scale=loss_scale)
     amp = ampx.frontend.default_session()
     if amp.properties.dynamic:  # type: ignore[union-attr]
-        amp.scalers[1]._loss_scale = 8.0  # type: ignore[union-attr]  # different scales
+        amp.scalers[1].set_scale(8.0)  # type: ignore[union-attr]  # different scales
     x1, y1 = batch(seed=1)
     x2, y2 = batch(seed=2)
     opt.zero_grad()

@@ -42,11 +42,11 @@ def test_init_scale_clamped_by_max():
 def test_growth_after_window_and_reset_by_overflow():
     s = LossScaler("dynamic", init_scale=4.0, growth_interval=3)
     assert _steps(s, "..") == [4.0, 4.0]
-    assert s._unskipped == 2
+    assert s.clean_steps == 2
     assert _steps(s, ".") == [8.0]  # the third clean step grows
-    assert s._unskipped == 0
+    assert s.clean_steps == 0
     assert _steps(s, "..x") == [8.0, 8.0, 4.0]  # overflow halves and resets the window
-    assert s._unskipped == 0
+    assert s.clean_steps == 0
     assert _steps(s, "...") == [4.0, 4.0, 8.0]
 
 
@@ -84,7 +84,7 @@ def test_static_scaler_keeps_scale_and_counts_clean_steps():
     s = LossScaler(128.0)
     assert not s.dynamic
     assert _steps(s, "..x.") == [128.0] * 4
-    assert s._unskipped == 1
+    assert s.clean_steps == 1
 
 
 def test_scale_loss_value_and_inv_scale():
@@ -109,15 +109,6 @@ def test_update_does_not_sync(monkeypatch: pytest.MonkeyPatch):
     s.inv_scale()
     monkeypatch.undo()
     assert s.loss_scale() == 8.0
-
-
-def test_apex_private_attributes_read_and_write():
-    s = LossScaler("dynamic")
-    s._loss_scale = 512.0
-    s._unskipped = 5
-    s._scale_seq_len = 10
-    assert s.loss_scale() == 512.0 and s._unskipped == 5 and s.growth_interval == 10
-    assert s._max_loss_scale == 2.0**24 and s._min_loss_scale is None
 
 
 # -- logging ---------------------------------------------------------------------------------
@@ -214,7 +205,7 @@ def test_state_round_trip_restores_trajectory():
 def test_apex_entry_loads():
     s = LossScaler("dynamic")
     s.load_state_dict({"loss_scale": 1024.0, "unskipped": 7})
-    assert s.loss_scale() == 1024.0 and s._unskipped == 7
+    assert s.loss_scale() == 1024.0 and s.clean_steps == 7
     s.load_state_dict({"loss_scale": torch.tensor(64.0), "unskipped": 0})
     assert s.loss_scale() == 64.0
 
@@ -237,7 +228,7 @@ def test_malformed_entry_raises_naming_key_and_changes_nothing(entry, needle):
     with pytest.raises(ValueError, match="loss_scaler7") as info:
         s.load_state_dict(entry, "loss_scaler7")
     assert needle in str(info.value)
-    assert s.loss_scale() == 32.0 and s._unskipped == 0
+    assert s.loss_scale() == 32.0 and s.clean_steps == 0
 
 
 def test_dynamic_static_mismatch_follows_apex():

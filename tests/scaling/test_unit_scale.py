@@ -94,9 +94,9 @@ def test_the_scaler_knows_a_unit_scale_without_reading_it() -> None:
     assert not LossScaler(2.0).unit_scale()
     assert not LossScaler("dynamic", init_scale=1.0).unit_scale()  # it may grow
     scaler = LossScaler(2.0)
-    scaler._loss_scale = 1.0  # apex's private setter
+    scaler.set_scale(1.0)  # written from the host (apex's `_loss_scale` setter calls it)
     assert scaler.unit_scale()
-    scaler._loss_scale = 4.0
+    scaler.set_scale(4.0)
     assert not scaler.unit_scale()
     scaler = LossScaler(1.0)
     scaler.scale.mul_(2)  # written behind the scaler's back: the version counter tells
