@@ -12,6 +12,9 @@ Trainer's own optimizer.pt). Skipped where transformers < 5 is installed (the te
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -164,3 +167,18 @@ def test_a_stock_trainer_resumes_bit_for_bit_with_its_loss_scale(tmp_path: Path)
     got, (scale, steps) = stock_run(tmp_path, resume=str(tmp_path / "checkpoint-3"))
     assert scale == 2.0**15 and steps == STEPS - 3  # not 2**16: the scale came back
     assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+
+
+@pytest.mark.slow
+def test_the_docs_block_runs_as_written(tmp_path: Path) -> None:
+    page = Path(__file__).parents[2] / "docs" / "hf-trainer.md"
+    mark = "<!-- runs in tests/integrations/test_hf_trainer_v5.py (transformers 5) -->"
+    (code,) = re.findall(re.escape(mark) + r"\n```python\n(.*?)\n```", page.read_text(), re.S)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, timeout=300,
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert {"checkpoint-2", "checkpoint-4"} <= {p.name for p in (tmp_path / "out").iterdir()}
+    saved = torch.load(tmp_path / "out" / "checkpoint-4" / "optimizer.pt", weights_only=True)
+    assert saved["ampx"]["loss_scaler0"]["loss_scale"] == 1.0  # bf16: no scaling needed
