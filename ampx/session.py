@@ -92,6 +92,7 @@ class Amp:
         forced = SESSIONS.forced
         self.forced: dict[str, Any] = forced.jsonable()  # for messages and telemetry
         self.properties: Properties = resolve_properties(**forced.apply(self.requested))
+        self._dtype_note = forced.dtype_note(self.requested)  # logged at initialize
         # a bool (or apex's "True"/"False" strings): "no" must not read as True
         sync = parse_bool("sync_overflow", sync_overflow)
         self.sync_overflow = True if sync is None else sync
@@ -207,6 +208,8 @@ class Amp:
 
     def _log_properties(self) -> None:
         props = self.properties
+        if self._dtype_note is not None and distributed.rank() == 0:
+            logger.warning(self._dtype_note)  # at any verbosity: the script's logs say otherwise
         if props.verbosity == 0 or distributed.rank() != 0:
             return
         logger.info("Selected optimization level %s:  %s", props.opt_level.value,

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from .levels import resolve_properties
+from .levels import Properties, resolve_properties
 from .values import (
     OptLevel,
     dtype_name,
@@ -106,6 +106,29 @@ class ForcedOptions:
                     options.pop(key, None)
         options.update(self.options)
         return options
+
+    def dtype_note(self, requested: Mapping[str, Any]) -> str | None:
+        """The warning to give when the forced dtype is not the one the script's own call
+        trains in (None: no dtype forced, or the same one).
+
+        A legacy script calls apex's `initialize` without a dtype and trains fp16; its own flags
+        and logs (the HF Trainer's ``--fp16``) keep saying so under ``ampx run --dtype bf16``.
+        """
+        forced = self.options.get("dtype")
+        asked = requested.get("dtype")
+        try:
+            wanted = Properties.dtype if asked is None else parse_dtype(asked)
+        except ValueError:  # the script's own value is bad: the forced one replaces it
+            wanted = None
+        if forced is None or forced == wanted:
+            return None
+        default = dtype_name(Properties.dtype)
+        how = (f"passed dtype={asked!r}" if asked is not None
+               else f"passed no dtype (apex's API trains {default})")
+        return (f"ampx run --dtype {dtype_name(forced)}: training in {dtype_name(forced)}. The "
+                f"script's initialize {how}, so its own flags and logs that say "
+                f"{dtype_name(wanted) if wanted is not None else default} (the HF Trainer's "
+                "--fp16, for one) do not describe this run.")
 
     def jsonable(self) -> dict[str, Any]:
         """The options with JSON types: levels as "O2", dtypes as "bfloat16"."""

@@ -95,3 +95,20 @@ def test_trainer_apex_backend_under_ampx_run_matches_by_hand(level: str, tmp_pat
     losses, weights = by_hand(level, tmp_path)
     assert got["losses"] == losses
     assert all(torch.equal(got["weights"][k], v) for k, v in weights.items())
+
+
+@pytest.mark.slow
+def test_a_forced_bf16_under_the_trainers_fp16_flag_is_said(tmp_path: Path) -> None:
+    """`ampx run --dtype bf16` over `--fp16`: the Trainer still says fp16; ampx says bf16."""
+    transformers = pytest.importorskip("transformers", minversion="4.0")
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        pytest.skip("transformers 5 has no apex backend; its Trainer goes through Accelerate")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "ampx", "run", "--dtype", "bf16", str(SCRIPT), "--output_dir",
+           str(tmp_path), "--fp16", "--half_precision_backend", "apex", "--fp16_opt_level", "O2"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = torch.load(tmp_path / "result.pt")
+    assert got["use_apex"] is True and got["dtype"] == "torch.bfloat16"
+    assert ("ampx run --dtype bfloat16: training in bfloat16. The script's initialize passed no "
+            "dtype (apex's API trains float16)") in proc.stderr

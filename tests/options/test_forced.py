@@ -112,3 +112,23 @@ def test_ampx_run_parses_the_opt_level_once(monkeypatch: pytest.MonkeyPatch,
     config = runner.child_config(request)
     assert ForcedOptions.from_json(config["forced"]) == request.forced
     assert [c for c in calls if type(c[1]) is str] == parses
+
+
+def test_a_forced_dtype_other_than_the_scripts_is_logged_at_any_verbosity(
+        caplog: pytest.LogCaptureFixture) -> None:
+    forced = ForcedOptions.parse({"dtype": "bf16"})
+    assert forced.dtype_note({"dtype": "bfloat16"}) is None  # what the script asked for
+    assert ForcedOptions.parse({"opt_level": "O2"}).dtype_note({}) is None  # no dtype forced
+    assert ForcedOptions.parse({"dtype": "fp16"}).dtype_note({}) is None  # apex's default
+    note = forced.dtype_note({"opt_level": "O2", "dtype": "fp16"})
+    assert note is not None and "passed dtype='fp16'" in note
+    frontend.set_forced_options({"dtype": "bf16"})
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level("WARNING", logger="ampx"):
+        ampx.initialize(model, opt, opt_level="O2", verbosity=0)  # as an apex script calls it
+    assert model.weight.dtype == torch.bfloat16
+    assert [r.getMessage() for r in caplog.records] == [
+        "ampx run --dtype bfloat16: training in bfloat16. The script's initialize passed no dtype "
+        "(apex's API trains float16), so its own flags and logs that say float16 (the HF "
+        "Trainer's --fp16, for one) do not describe this run."]
