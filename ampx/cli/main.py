@@ -104,6 +104,15 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _duration(text: str) -> float:
+    from .sweep.plan import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -262,8 +271,13 @@ def _add_sweep(subs: Any) -> None:
                             "script's own length)")
     sweep.add_argument("--out", type=Path, default=Path("sweep-out"), metavar="DIR",
                        help="output directory (default: ./sweep-out)")
-    sweep.add_argument("--timeout", type=_positive_float, default=900.0, metavar="S",
-                       help="seconds allowed per configuration (default: 900)")
+    sweep.add_argument("--budget", type=_duration, metavar="TIME",
+                       help="time for the whole sweep, e.g. 90s, 2m, 5m: the built-in examples "
+                            "get a model size and step count that fit it, and each run a share "
+                            "of it as its limit (default for the examples: 4m)")
+    sweep.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
+                       help="seconds allowed per configuration (default: the budget's share; "
+                            "900 for a script without --budget)")
     sweep.add_argument("--repeat", type=_positive_int, default=1, metavar="K",
                        help="run the configurations K times, alternating their order, and "
                             "keep each one's fastest run (steadier timings on a busy machine)")
