@@ -546,7 +546,7 @@ def test_a_timed_out_row_shows_no_loss_and_the_spent_budget_leaves_rows_not_run(
         tmp_path: Path) -> None:
     fake = tmp_path / "slow.py"
     fake.write_text(SLOW_FAKE)  # O0 and O2 write 4 steps, O1 never ends
-    spec = sweep.SweepSpec(script=fake, script_args=[], out=tmp_path / "out", steps=4,
+    spec = sweep.SweepSpec(script=fake, script_args=[], out=tmp_path / "out",
                            configs=sweep.build_configs(["O0", "O1", "O2"], ["bf16"],
                                                        autocast=False),
                            timeout_s=None, budget_s=sweep_plan.WRITE_S + 14.0)
@@ -717,3 +717,31 @@ def test_the_verdict_names_the_fastest_level_that_keeps_the_loss() -> None:
     rows = _verdict_rows(200.0, 100.0)
     rows[0].status, rows[0].error = "timeout", "timed out"
     assert verdict(rows).startswith("verdict: none: O0 (the fp32 baseline) did not finish")
+
+
+def test_a_run_stopped_after_its_last_step_is_complete(tmp_path: Path) -> None:
+    fake = tmp_path / "lingers.py"
+    fake.write_text(SLOW_FAKE.replace('level = sys.argv[1]', 'level = sys.argv[1]\nimport atexit\n'
+                                      'atexit.register(time.sleep, 60)'))
+    spec = sweep.SweepSpec(script=fake, script_args=[], out=tmp_path / "out", steps=4,
+                           configs=[SweepConfig("O0", None)], timeout_s=4.0)
+    row = sweep.run_sweep(spec, launcher=_slow_launcher(fake))[0]
+    assert (row.status, row.steps, row.error) == ("ok", 4, None)
+    assert row.final_loss == 1.0 and (row.wall_s or 99) < 30
+
+
+@pytest.mark.parametrize(("load", "threads"), [(0.1, None), (1.2, "1"), (13.0, "1")])
+def test_runs_on_a_busy_machine_get_the_free_cpus(
+        load: float, threads: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(sweep_command.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(sweep_command.os, "cpu_count", lambda: 2)
+    spec = sweep.spec_from_args(_sweep_args())
+    said: list[str] = []
+    sweep_command._threads(spec, said.append)
+    assert spec.env.get("OMP_NUM_THREADS") == threads
+    assert bool(said) == (threads is not None)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice is kept
+    spec = sweep.spec_from_args(_sweep_args())
+    sweep_command._threads(spec, said.append)
+    assert "OMP_NUM_THREADS" not in spec.env

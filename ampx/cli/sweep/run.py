@@ -260,6 +260,8 @@ def run_one(spec: SweepSpec, config: SweepConfig, launcher: Optional[Launcher] =
         if proc is not None:
             try:
                 outcome = _wait(proc, spec, config, tail, meter, on_steps, limit_s)
+                if outcome == "timeout" and spec.steps and tail.steps >= spec.steps:
+                    outcome = "done"  # every step ran; only the process's exit was cut short
             except KeyboardInterrupt:
                 _stop(proc)
                 outcome, interrupted = "interrupted", True
@@ -278,6 +280,8 @@ def _finish(row: Row, proc: subprocess.Popen[Any], outcome: Optional[str],
             limit_s: Optional[float], err: IO[str], started: float) -> None:
     row.wall_s = time.perf_counter() - started
     row.returncode = proc.returncode if outcome is None else None
+    if outcome == "done":
+        return
     if outcome == "timeout":
         row.status, row.error = "timeout", f"timed out after {limit_s or 0:.0f} s"
     elif outcome == "interrupted":
