@@ -65,6 +65,11 @@ class Size:
     args: tuple[str, ...]
     kernels: tuple[Kernel, ...]
 
+    @property
+    def flops(self) -> float:
+        """The forward pass's flops."""
+        return sum(k.flops * k.count for k in self.kernels)
+
 
 def transformer_sizes(d_model: int, layers: int, seq_len: int = 128, batch: int = 8,
                       vocab: int = 1024) -> tuple[Kernel, ...]:

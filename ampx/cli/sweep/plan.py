@@ -122,11 +122,11 @@ def _total(step_s: dict[str, float], dtypes: Sequence[Optional[str]], steps: int
 
 
 def _fit(step_s: dict[str, float], dtypes: Sequence[Optional[str]], budget_s: float,
-         startup_s: float) -> int:
-    """Most steps per configuration that fit the budget's margin."""
+         startup_s: float) -> float:
+    """Steps per configuration that fit the budget's margin (not rounded)."""
     left = _MARGIN * (budget_s - WRITE_S - len(dtypes) * startup_s)
     per_step = sum(step_s[d or "fp32"] for d in dtypes)
-    return max(0, math.floor(left / per_step)) if per_step > 0 else 10**6
+    return max(0.0, left / per_step) if per_step > 0 else 1e6
 
 
 def choose(ladder: Sequence[Size], dtypes: Sequence[Optional[str]], budget_s: float,
@@ -135,7 +135,8 @@ def choose(ladder: Sequence[Size], dtypes: Sequence[Optional[str]], budget_s: fl
     """Pick the largest size of `ladder` (default first) whose runs fit `budget_s`.
 
     Args:
-        ladder: The example's sizes, largest first.
+        ladder: The example's sizes, largest first (a size whose flops say it is four times
+            too big to fit, from the last size probed, is skipped without probing).
         dtypes: Each configuration's dtype (None for fp32: O0).
         budget_s: Seconds for the whole sweep (the probe's time already taken off).
         default_steps: The example's steps; a size fits when it runs at least half of them
@@ -151,13 +152,17 @@ def choose(ladder: Sequence[Size], dtypes: Sequence[Optional[str]], budget_s: fl
     wanted = steps if steps is not None else max(MIN_STEPS, default_steps // 2)
     probes: list[Probe] = []
     plan: Optional[Plan] = None
-    for size in ladder:
+    fit, flops = 0.0, 0.0
+    for n, size in enumerate(ladder):
+        if n and n < len(ladder) - 1 and fit * flops / size.flops < wanted / 4:
+            continue  # far too big still, judged by its flops: not worth probing
         found = probe_size(size)
         probes.append(found)
+        flops = size.flops
         step_s = {name: estimate_step_s(found, None if name == "fp32" else name, busy)
                   for name in found.forward_s}
         fit = _fit(step_s, dtypes, budget_s, startup_s)
-        plan = Plan(size, steps if steps is not None else min(default_steps, fit),
+        plan = Plan(size, steps if steps is not None else min(default_steps, math.floor(fit)),
                     startup_s, step_s, budget_s=budget_s, busy=busy)
         if fit >= wanted:
             break
