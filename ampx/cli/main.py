@@ -156,8 +156,13 @@ the built-in transformer example runs (--example picks another). Arguments for t
 after `--`. The table goes to stdout, progress to stderr; sweep.json, sweep.csv and sweep.png
 (with matplotlib) are written to --out; Ctrl-C writes what finished so far.
 
+Built-in examples: on a CPU the sweep first times the example's matmul shapes in fp32 and the
+half dtypes (and says when they are emulated), then picks a model size and step count that fit
+the time budget (--budget, default 4m) and says why.
+
 examples:
   ampx sweep
+  ampx sweep --budget 2m
   ampx sweep --example convnet --levels O0,O2 --steps 30
   ampx sweep train.py --levels O0,O1,O2 --dtypes fp16,bf16 --steps 200 -- --data ./data
 """
