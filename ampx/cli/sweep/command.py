@@ -14,7 +14,6 @@ import contextlib
 import math
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -70,18 +69,6 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
     )
 
 
-def _startup_s() -> float:
-    """A run's start-up (interpreter, torch, ampx, initialize): about three torch imports."""
-    import sys
-
-    if "torch" in sys.modules:
-        return 15.0  # measured on a busy 2-core VM: 11-17 s (O1's initialize is the longest)
-    started = time.perf_counter()
-    import torch  # noqa: F401
-
-    return max(5.0, 3.0 * (time.perf_counter() - started))
-
-
 def _emulation_note(found: Probe, dtype: str, where: str) -> Optional[str]:
     if not found.emulated(dtype):
         return None
@@ -112,13 +99,10 @@ def _plan_example(spec: SweepSpec, args: argparse.Namespace, say: Say,
                 say(note)
         return None, found
     dtypes = [c.dtype for c in spec.configs]
-    started = time.perf_counter()
-    startup = _startup_s()
-    budget = spec.budget_s - (time.perf_counter() - started)
     busy, load = sweep_plan.contention()
     chosen, probes = sweep_plan.choose(
-        ladder, dtypes, budget, example.default_steps, args.steps,
-        lambda size: probe(size.kernels, half), startup, busy)
+        ladder, dtypes, spec.budget_s, example.default_steps, args.steps,
+        lambda size: probe(size.kernels, half), sweep_plan.STARTUP_S, busy)
     chosen.load = load
     for dtype in half:
         note = _emulation_note(probes[0], dtype, f"the example's default shapes "

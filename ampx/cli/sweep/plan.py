@@ -21,11 +21,14 @@ from .probe import Probe
 
 ProbeFn = Callable[[Size], Probe]
 
-__all__ = ["DEFAULT_BUDGET_S", "WRITE_S", "Plan", "choose", "contention", "estimate_step_s",
-           "format_duration", "parse_duration", "run_limit"]
+__all__ = ["DEFAULT_BUDGET_S", "STARTUP_S", "WRITE_S", "Plan", "choose", "contention",
+           "estimate_step_s", "format_duration", "parse_duration", "run_limit"]
 
 DEFAULT_BUDGET_S = 240.0
 """What a built-in example's sweep plans for without --budget (the main job: a few minutes)."""
+STARTUP_S = 15.0
+"""A run's start-up: interpreter, torch, ampx, the example's data, `initialize` (11-17 s
+measured on a busy 2-core VM; O1's initialize is the longest)."""
 MIN_STEPS = 10
 """Fewer steps than this say little about the loss or the step time."""
 _MARGIN = 0.75
