@@ -104,6 +104,15 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _duration(text: str) -> float:
+    from .sweep.plan import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -147,8 +156,13 @@ the built-in transformer example runs (--example picks another). Arguments for t
 after `--`. The table goes to stdout, progress to stderr; sweep.json, sweep.csv and sweep.png
 (with matplotlib) are written to --out; Ctrl-C writes what finished so far.
 
+Built-in examples: on a CPU the sweep first times the example's matmul shapes in fp32 and the
+half dtypes (and says when they are emulated), then picks a model size and step count that fit
+the time budget (--budget, default 4m) and says why.
+
 examples:
   ampx sweep
+  ampx sweep --budget 2m
   ampx sweep --example convnet --levels O0,O2 --steps 30
   ampx sweep train.py --levels O0,O1,O2 --dtypes fp16,bf16 --steps 200 -- --data ./data
 """
@@ -262,8 +276,13 @@ def _add_sweep(subs: Any) -> None:
                             "script's own length)")
     sweep.add_argument("--out", type=Path, default=Path("sweep-out"), metavar="DIR",
                        help="output directory (default: ./sweep-out)")
-    sweep.add_argument("--timeout", type=_positive_float, default=900.0, metavar="S",
-                       help="seconds allowed per configuration (default: 900)")
+    sweep.add_argument("--budget", type=_duration, metavar="TIME",
+                       help="time for the whole sweep, e.g. 90s, 2m, 5m: the built-in examples "
+                            "get a model size and step count that fit it, and each run a share "
+                            "of it as its limit (default for the examples: 4m)")
+    sweep.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
+                       help="seconds allowed per configuration (default: the budget's share; "
+                            "900 for a script without --budget)")
     sweep.add_argument("--repeat", type=_positive_int, default=1, metavar="K",
                        help="run the configurations K times, alternating their order, and "
                             "keep each one's fastest run (steadier timings on a busy machine)")

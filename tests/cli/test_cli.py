@@ -50,6 +50,7 @@ def _records(path: Path) -> list[dict]:
     (["sweep", "--levels", "O1,O5"], "unknown opt level 'O5'"),
     (["sweep", "--dtypes", "fp32"], "unknown dtype 'fp32'"),
     (["sweep", "no_such_script.py"], "script not found"),
+    (["sweep", "--budget", "2 m"], "'2 m' is not a duration: write it like 90s, 2m or 5m"),
     (["lists", "--level", "O9"], "unknown opt level 'O9'"),
     (["lists", "--policy", "sometimes"], "unknown policy 'sometimes'"),
     (["frobnicate"], "invalid choice"),

@@ -19,8 +19,12 @@ from ampx import telemetry
 from ampx.cli import main as cli
 from ampx.cli import sweep
 from ampx.cli.sweep import SweepConfig
+from ampx.cli.sweep import command as sweep_command
+from ampx.cli.sweep import plan as sweep_plan
 from ampx.cli.sweep import plot as sweep_plot
+from ampx.cli.sweep import probe as sweep_probe
 from ampx.cli.sweep import report as sweep_report
+from ampx.cli.sweep import rounds as sweep_rounds
 from ampx.cli.sweep import stats as sweep_stats
 from ampx.cli.sweep.stats import Row
 
@@ -390,9 +394,16 @@ def test_ctrl_c_stops_the_run_and_keeps_what_finished(tmp_path: Path) -> None:
         if timer.is_alive():
             timer.join()
     rows = caught.value.rows
-    assert [(r.label, r.status) for r in rows] == [("O0", "ok"), ("O1 bf16", "interrupted")]
+    assert [(r.label, r.status) for r in rows] == [
+        ("O0", "ok"), ("O1 bf16", "interrupted"), ("O2 bf16", "not run")]
     assert rows[1].steps >= 1 and rows[1].returncode is None
     assert (rows[1].wall_s or 99) < 30  # the endless run was stopped, not waited for
+    # the stopped run's loss after a few steps is not a result; the unstarted row is listed
+    assert rows[1].final_loss is None and rows[1].step_time_s is None
+    assert "steps done" in (rows[1].error or "")
+    table = sweep_report.format_table(rows)
+    assert "O2 bf16: not run: not started: the sweep was interrupted first" in table
+    assert table.splitlines()[4].split()[:4] == ["O2", "bf16", "not", "run"]
 
 
 def test_cli_ctrl_c_writes_partial_results_and_exits_130(
@@ -407,7 +418,8 @@ def test_cli_ctrl_c_writes_partial_results_and_exits_130(
     def interrupted(*args: object, **kwargs: object) -> list[Row]:
         raise sweep.SweepInterrupted([done, stopped])
 
-    monkeypatch.setattr(sweep, "run_sweep", interrupted)
+    monkeypatch.setattr(sweep_rounds, "run_sweep", interrupted)
+    monkeypatch.setattr(sweep_command, "probe", lambda kernels, dtypes: _fake_probe(1.0))
     out = tmp_path / "out"
     assert cli.main(["sweep", str(script), "--levels", "O0,O1", "--out", str(out)]) == 130
     captured = capsys.readouterr()
@@ -416,7 +428,7 @@ def test_cli_ctrl_c_writes_partial_results_and_exits_130(
     data = json.loads((out / "sweep.json").read_text())
     assert data["meta"]["interrupted"] is True
     assert [r["status"] for r in data["rows"]] == ["ok", "interrupted"]
-    assert (out / "sweep.csv").exists() and not (out / "sweep.png").exists()
+    assert (out / "sweep.csv").exists() and (out / "sweep.png").exists()
 
 
 # -- the figure -----------------------------------------------------------------------------
@@ -518,30 +530,218 @@ def test_skip_culprits_come_from_the_overflow_reports() -> None:
         sweep_report.format_table([row])
 
 
+def _fake_probe(slowdown: float, *, native: bool = True,
+                kernels: tuple = ()) -> sweep_probe.Probe:
+    """A probe that found fp32 at 100 GFLOP/s and bf16 `slowdown` times slower."""
+    fp32 = sum(k.flops * k.count for k in kernels) * 1e-11 or 0.01
+    return sweep_probe.Probe(
+        capability="AVX2" if not native else "AVX512", native={"bf16": native},
+        seconds={"fp32": {"1024x512x2048": fp32}, "bf16": {"1024x512x2048": fp32 * slowdown}},
+        forward_s={"fp32": fp32, "bf16": fp32 * slowdown}, elapsed_s=0.2)
+
+
+# -- budget, timeouts, rows without a result --------------------------------------------------
+
+def test_a_timed_out_row_shows_no_loss_and_the_spent_budget_leaves_rows_not_run(
+        tmp_path: Path) -> None:
+    fake = tmp_path / "slow.py"
+    fake.write_text(SLOW_FAKE)  # O0 and O2 write 4 steps, O1 never ends
+    spec = sweep.SweepSpec(script=fake, script_args=[], out=tmp_path / "out",
+                           configs=sweep.build_configs(["O0", "O1", "O2"], ["bf16"],
+                                                       autocast=False),
+                           timeout_s=None, budget_s=sweep_plan.WRITE_S + 14.0)
+    progress: list[str] = []
+    rows = sweep.run_sweep(spec, progress=progress.append, launcher=_slow_launcher(fake))
+    assert [(r.label, r.status) for r in rows] == [
+        ("O0", "ok"), ("O1 bf16", "timeout"), ("O2 bf16", "not run")]
+    stopped = rows[1]
+    assert stopped.steps >= 1 and stopped.final_loss is None and stopped.final_scale is None
+    assert stopped.step_time_s is None and stopped.speedup is None and stopped.skipped is None
+    assert "steps done" in (stopped.error or "") and "no result" in (stopped.error or "")
+    assert rows[2].error == "not started: the 24 s budget was spent"
+    assert any(line.endswith("O2 bf16: not run (budget spent)") for line in progress)
+    table = sweep_report.format_table(rows)
+    cells = sweep_report.table_rows(rows)
+    assert cells[2][1] == "timeout" and set(cells[2][2:]) == {"-"}  # no loss, no speed
+    assert cells[3][1] == "not run" and set(cells[3][2:]) == {"-"}
+    assert "O2 bf16: not run: not started" in table
+    out = tmp_path / "out"
+    data = json.loads(sweep_report.write_json(rows, out / "sweep.json", {}).read_text())
+    assert [r["final_loss"] for r in data["rows"]][1:] == [None, None]
+    with open(sweep_report.write_csv(rows, out / "sweep.csv"), newline="") as handle:
+        lines = list(csv.DictReader(handle))
+    assert [(r["status"], r["final_loss"]) for r in lines][1:] == [("timeout", ""),
+                                                                   ("not run", "")]
+    fig = sweep_plot.build_figure(rows, "t")
+    loss_ax = fig.axes[_titles(fig).index("loss")]
+    assert [line.get_label() for line in loss_ax.get_lines()] == ["O0"]  # no partial curve
+    labels = [t.get_text() for t in fig.axes[_titles(fig).index(
+        next(t for t in _titles(fig) if t.startswith("speed-up")))].get_xticklabels()]
+    assert labels == ["O0", "O1 bf16\n(timeout)", "O2 bf16\n(not run)"]
+
+
 def _sweep_args(**overrides: object) -> argparse.Namespace:
     values: dict[str, object] = dict(
         script=None, example="convnet", dtypes=["bf16"], force_apex_alias=False, script_args=[],
-        levels=["O0", "O1"], no_autocast=False, out=Path("out"), steps=3, timeout=900.0,
-        repeat=1)
+        levels=["O0", "O1"], no_autocast=False, out=Path("out"), steps=None, timeout=None,
+        budget=None, repeat=1)
     values.update(overrides)
     return argparse.Namespace(**values)
 
 
-@pytest.mark.parametrize("slowdown", [40.0, 1.5])
-def test_a_sweep_says_when_bf16_matmuls_are_slower_than_fp32_here(
+@pytest.mark.parametrize("slowdown", [40.0, 0.5])
+def test_the_sweep_says_when_bf16_matmuls_are_emulated_and_plans_for_it(
         slowdown: float, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sweep, "bf16_matmul_slowdown", lambda: slowdown)
+    """With a faked probe: emulated bf16 shrinks the example and says so; native keeps it."""
+    monkeypatch.setattr(sweep_command, "probe", lambda kernels, dtypes: _fake_probe(
+        slowdown, native=slowdown < 2, kernels=tuple(kernels)))
+    monkeypatch.setattr(sweep_plan, "contention", lambda: (1.0, 0.2))  # an idle machine
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    args = _sweep_args()
+    budget = 120.0 if slowdown > 2 else sweep_plan.DEFAULT_BUDGET_S
+    args = _sweep_args(example="transformer", budget=budget)
+    spec = sweep.spec_from_args(args)
     said: list[str] = []
-    sweep._notes(sweep.spec_from_args(args), args, said.append)
-    notes = [line for line in said if "bf16 matmul runs" in line]
+    chosen, found = sweep_command.prepare(spec, args, said.append)
+    notes = [line for line in said if "bf16 matmuls are emulated" in line]
+    plan_line = next(line for line in said if "plan:" in line)
+    assert chosen is not None and found is not None
     if slowdown > 2:
-        assert len(notes) == 1 and "40x slower" in notes[0] and "--timeout than 900 s" in notes[0]
+        assert len(notes) == 1 and "40x slower than fp32" in notes[0] and "AVX2" in notes[0]
+        assert "no AVX512-BF16/AMX" in notes[0] and "slower than O0, not faster" in notes[0]
+        # every size probes as 40x here, so the plan shrinks the model to fit 2 minutes
+        assert chosen.size is not None and chosen.size.args and spec.script_args
+        assert "the default (d_model 512, 4 layers, 40 steps) would take about" in plan_line
     else:
-        assert notes == []
+        assert notes == [] and spec.script_args == [] and spec.steps == 40
+    assert chosen.estimate_s is not None and chosen.estimate_s <= budget
+    assert set(spec.estimates) == {"O0", "O1 bf16", "autocast bf16"}
 
 
-def test_the_bf16_matmul_probe_measures_this_machine() -> None:
-    ratio = sweep.bf16_matmul_slowdown(size=64, reps=2)
-    assert math.isfinite(ratio) and ratio > 0
+def test_the_probe_times_real_shapes_and_scales_slow_ones_up(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ampx.examples.sizes import Kernel
+
+    found = sweep_probe.probe([Kernel("mm", 64, (32, 48), 2), Kernel("conv", 2, (3, 4, 8, 2))],
+                              ["bf16"])
+    assert set(found.seconds) == {"fp32", "bf16"} and found.scaled == []
+    assert all(math.isfinite(v) and v > 0 for v in found.forward_s.values())
+    assert found.capability and isinstance(found.native["bf16"], bool)
+    # a product whose time grows with its rows (1 ms a row) is timed on fewer and scaled up
+    monkeypatch.setattr(sweep_probe, "_runner",
+                        lambda kernel, rows, dtype: lambda: time.sleep(rows * 1e-3))
+    seconds, scaled = sweep_probe._time(Kernel("mm", 4096, (512, 512)), None)
+    assert scaled and seconds == pytest.approx(4.096, rel=0.5)
+
+
+def test_durations_and_bad_budgets() -> None:
+    parse = sweep_plan.parse_duration
+    assert [parse(t) for t in ("90", "90s", "2m", "1m30s", "1.5m", "1h")] == [
+        90, 90, 120, 90, 90, 3600]
+    for bad in ("", "x", "2 m", "-1m", "0s", "m"):
+        with pytest.raises(ValueError):
+            parse(bad)
+    assert sweep_plan.format_duration(200) == "3 min 20 s"
+    proc = subprocess.run([sys.executable, "-m", "ampx", "sweep", "--budget", "soon"],
+                          capture_output=True, text=True, timeout=60, check=False,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "ampx: error: argument --budget: 'soon' is not a duration: write it like 90s, 2m or "
+        "5m (see 'ampx sweep --help')")
+
+
+def test_each_run_gets_its_share_of_the_time_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sweep_plan.time, "monotonic", lambda: 1000.0)
+    limit = sweep_plan.run_limit
+    assert limit(None, None, [1.0]) is None and limit(None, 50.0, [1.0]) == 50.0
+    assert limit(1100.0, None, [10.0, 30.0]) == pytest.approx(1.5 * 25.0)
+    assert limit(1100.0, None, [None, 30.0]) == pytest.approx(75.0)  # equal shares
+    assert limit(1100.0, None, [90.0, 10.0]) == pytest.approx(100.0)  # never past the deadline
+    assert limit(1100.0, 20.0, [10.0, 30.0]) == 20.0
+
+
+def test_the_ladders_start_at_the_scripts_defaults() -> None:
+    from ampx.examples import EXAMPLES, convnet, transformer_lm
+    from ampx.examples.sizes import LADDERS, conv_sizes, transformer_sizes
+
+    assert set(LADDERS) == set(EXAMPLES)
+    lm = transformer_lm.parse_args([])
+    assert LADDERS["transformer"][0].kernels == transformer_sizes(
+        lm.d_model, lm.layers, lm.seq_len, lm.batch_size, lm.vocab)
+    cn = convnet.parse_args([])
+    assert LADDERS["convnet"][0].kernels == conv_sizes(cn.width, cn.batch_size)
+    for ladder in LADDERS.values():
+        assert ladder[0].args == ()
+        flops = [sum(k.flops * k.count for k in size.kernels) for size in ladder]
+        assert flops == sorted(flops, reverse=True)  # each size smaller than the one before
+    for size in LADDERS["transformer"][1:]:
+        parsed = transformer_lm.parse_args(list(size.args))
+        assert size.kernels == transformer_sizes(parsed.d_model, parsed.layers, parsed.seq_len,
+                                                 parsed.batch_size, parsed.vocab)
+
+
+def _verdict_rows(o0_ms: float, half_ms: float) -> list[Row]:
+    base = _row("O0", "O0", None, _steps([3.0] * 9 + [2.0], step_time=o0_ms / 1e3,
+                                         mem=500 * 2**20))
+    o1 = _row("O1 bf16", "O1", "bf16", _steps([3.0] * 9 + [2.0], step_time=half_ms / 1e3,
+                                              mem=490 * 2**20))
+    o2 = _row("O2 bf16", "O2", "bf16", _steps([3.0] * 9 + [2.01], step_time=half_ms * 0.9 / 1e3,
+                                              mem=400 * 2**20))
+    o3 = _row("O3 bf16", "O3", "bf16", _steps([3.0] * 9 + [2.1], step_time=half_ms * 0.5 / 1e3,
+                                              mem=380 * 2**20))
+    late = Row(label="autocast bf16", opt_level="autocast", dtype="bf16", status="timeout",
+               error="timed out after 60 s")
+    rows = [base, o1, o2, o3, late]
+    sweep_stats.compare(rows)
+    return rows
+
+
+def test_the_verdict_names_fp32_where_bf16_is_emulated_and_what_o2_saves() -> None:
+    from ampx.cli.sweep.verdict import verdict
+
+    said = verdict(_verdict_rows(100.0, 3800.0), _fake_probe(38.0, native=False))
+    assert said.startswith("verdict: use O0 (fp32) here: it is the fastest; the fastest "
+                           "half-precision row, O2 bf16, ran at 0.03x O0's speed: bf16 matmuls "
+                           "are emulated here (no native bf16 kernels: AVX2 CPU, no "
+                           "AVX512-BF16/AMX), 38x slower than fp32 at this model's shapes; "
+                           "O2 bf16 saves 20% memory (peak) and keeps the loss.")
+    # O3 is faster than O1 and O2 but lost 5% of the loss; the timed-out row is not compared
+    assert said.endswith("Not compared: autocast bf16 timeout, O3 bf16 loss +5.0%.")
+
+
+def test_the_verdict_names_the_fastest_level_that_keeps_the_loss() -> None:
+    from ampx.cli.sweep.verdict import verdict
+
+    said = verdict(_verdict_rows(200.0, 100.0), _fake_probe(0.5))
+    assert said.startswith("verdict: use O2 bf16 here: the fastest (2.22x O0, IQR 2.22-2.22) "
+                           "of the rows whose final loss is within 1% of O0's, -20% memory.")
+    rows = _verdict_rows(200.0, 100.0)
+    rows[0].status, rows[0].error = "timeout", "timed out"
+    assert verdict(rows).startswith("verdict: none: O0 (the fp32 baseline) did not finish")
+
+
+def test_a_run_stopped_after_its_last_step_is_complete(tmp_path: Path) -> None:
+    fake = tmp_path / "lingers.py"
+    fake.write_text(SLOW_FAKE.replace('level = sys.argv[1]', 'level = sys.argv[1]\nimport atexit\n'
+                                      'atexit.register(time.sleep, 60)'))
+    spec = sweep.SweepSpec(script=fake, script_args=[], out=tmp_path / "out", steps=4,
+                           configs=[SweepConfig("O0", None)], timeout_s=4.0)
+    row = sweep.run_sweep(spec, launcher=_slow_launcher(fake))[0]
+    assert (row.status, row.steps, row.error) == ("ok", 4, None)
+    assert row.final_loss == 1.0 and (row.wall_s or 99) < 30
+
+
+@pytest.mark.parametrize(("load", "threads"), [(0.1, None), (1.2, "1"), (13.0, "1")])
+def test_runs_on_a_busy_machine_get_the_free_cpus(
+        load: float, threads: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(sweep_command.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(sweep_command.os, "cpu_count", lambda: 2)
+    spec = sweep.spec_from_args(_sweep_args())
+    said: list[str] = []
+    sweep_command._threads(spec, said.append)
+    assert spec.env.get("OMP_NUM_THREADS") == threads
+    assert bool(said) == (threads is not None)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice is kept
+    spec = sweep.spec_from_args(_sweep_args())
+    sweep_command._threads(spec, said.append)
+    assert "OMP_NUM_THREADS" not in spec.env

@@ -52,7 +52,8 @@ def _scales(rows: Sequence[Row]) -> bool:
 
 def _curves(axes: dict[str, Any], rows: Sequence[Row], styles: dict[str, dict[str, Any]],
             scales: bool) -> None:
-    finished = [r for r in rows if r.series.get("loss")]
+    finished = [r for r in rows if r.ok and r.series.get("loss")]  # a stopped run's
+    # first steps are not a result
     base = next((r for r in finished if r.opt_level == "O0"), None)
     for row in finished:
         losses = _floats(row.series["loss"])
@@ -79,7 +80,7 @@ def _curves(axes: dict[str, Any], rows: Sequence[Row], styles: dict[str, dict[st
         axes["scale"].set(title="loss scale", xlabel="step", ylabel="scale", yscale="log")
     for name in ("loss", "delta", "time", "scale"):
         if name in axes:
-            if axes[name].get_lines():
+            if any(not line.get_label().startswith("_") for line in axes[name].get_lines()):
                 axes[name].legend(fontsize="small")
             axes[name].grid(alpha=0.3)
 

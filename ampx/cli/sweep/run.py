@@ -9,6 +9,7 @@ into a `Row`. The sweep (`ampx.cli.sweep`) decides what runs and in which order.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Optional
 
 from ... import telemetry
-from .stats import LoadMeter, Row, summarize
+from .stats import LoadMeter, Row, summarize, withhold
 
 __all__ = ["RunInterrupted", "SweepConfig", "SweepSpec", "build_configs", "child_env",
            "command_for", "run_one"]
@@ -80,7 +81,10 @@ class SweepSpec:
         out: Directory for sweep.json, sweep.csv, sweep.png and the per-run logs.
         steps: Optimizer steps per run (None: the script's own length). Built-in examples
             get `--steps N`; any script is also stopped after N steps by `ampx run`.
-        timeout_s: Wall-clock limit of one run.
+        timeout_s: Wall-clock limit of one run (None: only the budget limits it).
+        budget_s: Seconds for the whole sweep (None: none); each run gets its share of what
+            is left (`plan.run_limit`), and a configuration is not started once it is spent.
+        estimates: Estimated seconds of each configuration's run, by label (from the plan).
         example: Name of the built-in example being run, or None for a user script.
         python: The interpreter for the runs.
         repeat: Rounds of runs (every other round in reverse order, so that a drift in the
@@ -95,8 +99,10 @@ class SweepSpec:
     configs: list[SweepConfig]
     out: Path
     steps: Optional[int] = None
-    timeout_s: float = 900.0
+    timeout_s: Optional[float] = 900.0
     example: Optional[str] = None
+    budget_s: Optional[float] = None
+    estimates: dict[str, float] = dataclasses.field(default_factory=dict)
     python: str = sys.executable
     repeat: int = 1
     run_options: list[str] = dataclasses.field(default_factory=list)
@@ -181,9 +187,10 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
 
 
 def _wait(proc: subprocess.Popen[Any], spec: SweepSpec, config: SweepConfig, tail: telemetry.Tail,
-          meter: LoadMeter, on_steps: Optional[StepCallback]) -> Optional[str]:
+          meter: LoadMeter, on_steps: Optional[StepCallback],
+          limit_s: Optional[float]) -> Optional[str]:
     """Wait for a run, reporting steps and sampling load; "timeout" when it ran too long."""
-    deadline = time.monotonic() + spec.timeout_s
+    deadline = time.monotonic() + (limit_s if limit_s is not None else math.inf)
     while True:
         try:
             proc.wait(timeout=_POLL_S)
@@ -205,7 +212,8 @@ def _start(cmd: list[str], env: dict[str, str], log: IO[str],
 
 
 def run_one(spec: SweepSpec, config: SweepConfig, launcher: Optional[Launcher] = None,
-            round_index: int = 0, on_steps: Optional[StepCallback] = None) -> Row:
+            round_index: int = 0, on_steps: Optional[StepCallback] = None,
+            limit_s: Optional[float] = None) -> Row:
     """Run one configuration in a fresh process and summarise it.
 
     Args:
@@ -215,9 +223,11 @@ def run_one(spec: SweepSpec, config: SweepConfig, launcher: Optional[Launcher] =
             script. Default: `command_for`.
         round_index: Which repetition this is (names the run's files).
         on_steps: Called while the run goes whenever new step records arrived.
+        limit_s: This run's time limit (None: `spec.timeout_s`).
 
     Returns:
-        The row (its O0-relative columns are filled by `compare`).
+        The row (its O0-relative columns are filled by `compare`; a run that did not finish
+        has its results withheld, `stats.withhold`).
 
     Raises:
         KeyboardInterrupt: Ctrl-C; the run was stopped (the exception's `row` is its row).
@@ -237,6 +247,8 @@ def run_one(spec: SweepSpec, config: SweepConfig, launcher: Optional[Launcher] =
               command=cmd, log=str(log_file))
     meter, tail = LoadMeter(), telemetry.Tail(telemetry_file)
     interrupted = False
+    if limit_s is None:
+        limit_s = spec.timeout_s
     with open(log_file, "w", encoding="utf-8") as log, \
             open(err_file, "w+", encoding="utf-8") as err:
         started = time.perf_counter()
@@ -247,11 +259,13 @@ def run_one(spec: SweepSpec, config: SweepConfig, launcher: Optional[Launcher] =
             proc = None
         if proc is not None:
             try:
-                outcome = _wait(proc, spec, config, tail, meter, on_steps)
+                outcome = _wait(proc, spec, config, tail, meter, on_steps, limit_s)
+                if outcome == "timeout" and spec.steps and tail.steps >= spec.steps:
+                    outcome = "done"  # every step ran; only the process's exit was cut short
             except KeyboardInterrupt:
                 _stop(proc)
                 outcome, interrupted = "interrupted", True
-            _finish(row, proc, outcome, spec, err, started)
+            _finish(row, proc, outcome, limit_s, err, started)
         err.seek(0)
         log.write(err.read())
     err_file.unlink()
@@ -262,12 +276,14 @@ def run_one(spec: SweepSpec, config: SweepConfig, launcher: Optional[Launcher] =
     return row
 
 
-def _finish(row: Row, proc: subprocess.Popen[Any], outcome: Optional[str], spec: SweepSpec,
-            err: IO[str], started: float) -> None:
+def _finish(row: Row, proc: subprocess.Popen[Any], outcome: Optional[str],
+            limit_s: Optional[float], err: IO[str], started: float) -> None:
     row.wall_s = time.perf_counter() - started
     row.returncode = proc.returncode if outcome is None else None
+    if outcome == "done":
+        return
     if outcome == "timeout":
-        row.status, row.error = "timeout", f"timed out after {spec.timeout_s:g} s"
+        row.status, row.error = "timeout", f"timed out after {limit_s or 0:.0f} s"
     elif outcome == "interrupted":
         row.status, row.error = "interrupted", "stopped by Ctrl-C"
     elif proc.returncode != 0:
@@ -279,6 +295,7 @@ def _finish(row: Row, proc: subprocess.Popen[Any], outcome: Optional[str], spec:
 def _summarize_run(row: Row, telemetry_file: Path) -> None:
     init, steps = telemetry.read_telemetry(telemetry_file)
     summarize(row, init, steps)
+    withhold(row)
     if row.status == "no data":
         if steps:
             row.status = "ok"

@@ -22,7 +22,9 @@ __all__ = [
     "LoadMeter",
     "Row",
     "compare",
+    "not_run",
     "summarize",
+    "withhold",
 ]
 
 DIVERGENCE_FACTOR = 10.0
@@ -44,7 +46,9 @@ class Row:
         label: The configuration's label.
         opt_level: "O0".."O3" or "autocast".
         dtype: "fp16", "bf16" or None.
-        status: "ok", "diverged", "error", "timeout", "interrupted" or "no data".
+        status: "ok", "diverged", "error", "timeout", "interrupted", "no data" or "not run"
+            (the sweep was interrupted, or its budget spent, before this configuration
+            started).
         error: Why a run failed (the last line of its stderr), or None.
         returncode: The process's exit code (None after a timeout).
         wall_s: Wall time of the whole process.
@@ -58,7 +62,8 @@ class Row:
             cannot be measured).
         load_avg: The highest 1-minute load average seen during the run.
         peak_mem_bytes: Largest peak-memory reading of the run.
-        final_loss: Mean loss over the last 10% of the steps (at least one).
+        final_loss: Mean loss over the last 10% of the steps (at least one); None for a run
+            that did not finish (a loss after 3 of 40 steps is not a result).
         skipped: Skipped steps.
         final_scale: The loss scale after the last step.
         speedup: O0's median step time divided by this row's.
@@ -170,6 +175,29 @@ def summarize(row: Row, init: Optional[dict[str, Any]], steps: list[dict[str, An
     scale = steps[-1].get("loss_scale")
     row.final_scale = float(scale) if isinstance(scale, (int, float)) else None
     return row
+
+
+def withhold(row: Row) -> Row:
+    """Clear the results of a run that did not finish, and say in its error how far it got.
+
+    Its per-step `series` stay (sweep.json keeps what was measured), but nothing that reads
+    as an outcome: final loss, loss scale, skips, step time, memory.
+    """
+    if row.ok or row.status in ("no data", "not run"):
+        return row
+    if row.steps:
+        step = f", {row.step_time_s:.3g} s per step" if row.step_time_s else ""
+        row.error = f"{row.error or row.status} ({row.steps} steps done{step}; no result)"
+    row.final_loss = row.final_scale = row.step_time_s = None
+    row.step_time_q1 = row.step_time_q3 = row.step_time_spread = None
+    row.skipped, row.peak_mem_bytes, row.skip_culprits = None, None, []
+    return row
+
+
+def not_run(label: str, opt_level: str, dtype: Optional[str], why: str) -> Row:
+    """The row of a configuration that never started."""
+    return Row(label=label, opt_level=opt_level, dtype=dtype, status="not run",
+               error=f"not started: {why}")
 
 
 def _own_noise(row: Row) -> Optional[str]:
