@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # THE list of public names (see the module docstring)
     from .options.levels import OptionError, OptLevel, Properties, UnknownOptionError
     from .overflow.policy import OverflowPersistsError
     from .overflow.report import OverflowReport
-    from .overflow.watch import last_overflow
+    from .overflow.watch import last_overflow, numerics_report
     from .scaling.checkpoint import CheckpointError
     from .scaling.protocol import master_params
     from .scaling.scaler import LossScaler
