@@ -7,7 +7,7 @@ without it. Rows are the modules in the report's ranking (worst on top), one row
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import matplotlib
 
@@ -16,14 +16,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402  (matplotlib's own dependency)
 from matplotlib.colors import LogNorm  # noqa: E402
 
-if TYPE_CHECKING:
-    from .numerics_report import NumericsReport
-
 __all__ = ["plot_heatmap"]
 
 
-def plot_heatmap(report: NumericsReport, path: Path) -> Path:
-    """Draw `report`'s overflow and underflow shares per module and watched step to `path`."""
+def plot_heatmap(report: Any, path: Path) -> Path:
+    """Draw a ``NumericsReport``'s overflow and underflow shares per module and watched step
+    to `path` (the report imports this module, so it is not imported back)."""
     history = report.history
     position = {name: i for i, name in enumerate(history["modules"])}
     names = [m.name for m in report.modules if m.name in position]

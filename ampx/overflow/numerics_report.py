@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 
-from .numerics import NumericsMonitor
 from .report import ROOT_MODULE
 
 __all__ = ["ModuleNumerics", "NumericsReport"]
@@ -113,8 +112,9 @@ class NumericsReport:
 
     # -- building ---------------------------------------------------------------------------
     @classmethod
-    def from_monitor(cls, monitor: NumericsMonitor) -> NumericsReport:
-        """The report of `monitor`'s samples so far."""
+    def from_monitor(cls, monitor: Any) -> NumericsReport:
+        """The report of a :class:`~ampx.overflow.numerics.NumericsMonitor`'s samples so far
+        (not imported here: the monitor imports this module for its ``report()``)."""
         info = torch.finfo(monitor.dtype)
         fmax = float(info.max)
         tolerance = _PRECISION_UNITS * float(info.eps) / 2
@@ -160,7 +160,7 @@ class NumericsReport:
         return (row[_UNDER] + row[_ZERO]) / row[_NUMEL]
 
     @staticmethod
-    def _origins(monitor: NumericsMonitor, fmax: float) -> dict[int, int]:
+    def _origins(monitor: Any, fmax: float) -> dict[int, int]:
         """Per module, the watched steps whose forward overflow started in it."""
         by_step: dict[int, list[int]] = {}
         for index, samples in enumerate(monitor.samples):
@@ -229,8 +229,8 @@ class NumericsReport:
         call = self.call if call is None else call
         lines: list[str] = []
         half = "fp16" if self.dtype == torch.float16 else "bf16"
-        fp32 = [m.name for m in self.modules
-                if m.issue in ("overflow", "precision") and m.name.rpartition(".")[2] != ROOT_MODULE]
+        fp32 = [m.name for m in self.modules if m.issue in ("overflow", "precision")
+                and m.name.rpartition(".")[2] != ROOT_MODULE]
         # O2/O3 cast a kept module's output back to the half dtype for the half modules after
         # it: an output that itself overflows would overflow again there. O1 keeps it float32.
         cast_back = [m.name for m in self.modules if m.issue == "overflow" and m.leaf

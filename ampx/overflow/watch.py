@@ -315,8 +315,9 @@ class OverflowWatch:
         if why == "keep_fp32":
             logger.info("ampx: keep_fp32: %s runs in float32 (%s).", name, how)
             return
-        if getattr(self, "numerics", None) is not None:
-            self.numerics.record_fallback(name, why)
+        monitor = getattr(self, "numerics", None)  # None while __init__ applies keep_fp32
+        if monitor is not None:
+            monitor.record_fallback(name, why)
         logger.warning(
             "ampx: %s: %s runs in float32 from now on (%s); "
             "it is recorded in ampx.state_dict() so a resumed run keeps it.", why, name, how)
@@ -374,8 +375,9 @@ class OverflowWatch:
         """Take the detector's, the monitor's and the fallbacks' hooks away (the session ends)."""
         if self.detector is not None:
             self.detector.remove()
-        if getattr(self, "numerics", None) is not None:
-            self.numerics.remove()
+        monitor = getattr(self, "numerics", None)
+        if monitor is not None:
+            monitor.remove()
         for fallback in self.fallbacks.values():
             fallback.remove()
         self.fallbacks.clear()
