@@ -92,7 +92,7 @@ class Properties:
             ``ampx.numerics_report()``; docs/debugging-overflows.md).
         numerics_every: Watch one step in this many (and the step after a skipped one).
         numerics_shadow_every: Re-run modules in float32 on every this-many-th watched step
-            to measure their half outputs' error (0: never).
+            (the first included) to measure their half outputs' error (0: never).
         keep_fp32: Names of modules (as in ``named_modules()``) that run in float32.
     """
 
@@ -122,7 +122,7 @@ class Properties:
     detect_overflow: str | None = None
     numerics: str | None = None
     numerics_every: int = 100
-    numerics_shadow_every: int = 0
+    numerics_shadow_every: int = 10
     keep_fp32: tuple[str, ...] = ()
 
     @property

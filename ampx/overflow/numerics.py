@@ -36,22 +36,23 @@ _MAX, _OVER, _UNDER, _ZERO, _MINNZ, _NUMEL = range(6)
 def tensor_stats(t: torch.Tensor, tiny: float) -> torch.Tensor:
     """``[max|x|, n_overflow, n_underflow, n_zero, min non-zero |x|, numel]`` on t's device.
 
-    Overflow: non-finite (inf or NaN; NaN also counts as max |x| = inf). A float32 value
-    beyond the half dtype's largest (`fmax`) has not overflowed: the report judges it by max
-    |x| (near overflow). Underflow: non-zero but below the half dtype's smallest normal
-    number (`tiny`): subnormal or flushed to zero once in (or if cast to) the half dtype.
+    Overflow: non-finite (inf or NaN; a NaN makes max |x| NaN, read as inf). A float32 value
+    beyond the half dtype's largest has not overflowed: the report judges it by max |x|
+    (near overflow). Underflow: non-zero but below the half dtype's smallest normal number
+    (`tiny`): subnormal or flushed to zero once in (or if cast to) the half dtype. Computed in
+    t's own dtype (exact for these comparisons), about a dozen small kernels in all.
     """
-    a = t.detach().abs().float()
-    nan = torch.isnan(a)
-    a = a.masked_fill(nan, math.inf)
-    nonzero = a > 0
+    a = t.detach().abs()
+    nonzero = a > 0  # NaN is not
+    n = a.numel()
     return torch.stack([
-        a.max(),
-        (a == math.inf).sum().float(),
+        a.max().float(),
+        (n - torch.isfinite(a).sum()).float(),
         (nonzero & (a < tiny)).sum().float(),
         (a == 0).sum().float(),
-        torch.where(nonzero, a, torch.full_like(a, math.inf)).min(),
-        torch.tensor(float(a.numel()), device=a.device),
+        torch.where(nonzero, a, torch.full((), math.inf, dtype=a.dtype, device=a.device)
+                    ).min().float(),
+        torch.full((), float(n), device=a.device),
     ])
 
 
@@ -127,7 +128,7 @@ class NumericsMonitor:
     """
 
     def __init__(self, models: Sequence[nn.Module], dtype: torch.dtype, every: int = 100,
-                 shadow_every: int = 0, loss_scale: Callable[[], float] | None = None,
+                 shadow_every: int = 10, loss_scale: Callable[[], float] | None = None,
                  call: str = 'ampx.initialize(model, optimizer, opt_level="O1"') -> None:
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"NumericsMonitor: dtype must be float16 or bfloat16; got {dtype}")
@@ -299,7 +300,7 @@ class NumericsMonitor:
         by_module: dict[int, ModuleSample] = {}
         pos = 0
         for index, kind, t in pending.records:
-            row = flat[pos:pos + t.numel()]
+            row = [math.inf if math.isnan(v) else v for v in flat[pos:pos + t.numel()]]
             pos += t.numel()
             sample = by_module.setdefault(index, ModuleSample(step, loss_scale=loss_scale))
             if kind == "inputs":

@@ -141,7 +141,7 @@ class NumericsReport:
                 over_row[column[s.step]] = _share(s.forward, _OVER) or 0.0
                 under_row[column[s.step]] = max(
                     [v for v in (_share(s.forward, _UNDER), _share(s.grad, _UNDER),
-                                 cls._flush(s.params)) if v] or [0])
+                                 _share(s.params, _UNDER)) if v] or [0])
             overflow_map.append(over_row)
             underflow_map.append(under_row)
             rows.append(cls._summarize(name, monitor.leaf[index], samples,
@@ -207,7 +207,8 @@ class NumericsReport:
         else:
             issue, extra = "ok", min(edge, 1.0) * 0.5
         return ModuleNumerics(
-            name=name, leaf=leaf, issue=issue, risk=_RISK[issue] + extra * 0.99, steps=len(samples),
+            # bands of width 1 by issue, ordered inside a band by how bad (at most 0.49)
+            name=name, leaf=leaf, issue=issue, risk=_RISK[issue] + min(extra, 1.0) * 0.49, steps=len(samples),
             origin_steps=origin_steps, max_abs=max_abs, max_input=max_input,
             overflow=overflow, underflow=_maxopt([_share(s.forward, _UNDER) for s in samples]),
             range_bits=max(ranges) if ranges else None,
@@ -267,8 +268,9 @@ class NumericsReport:
                 lines.append(f"{call}, min_loss_scale=2.0**{low}, max_loss_scale=2.0**{high})")
             else:
                 under = [m.name for m in self.modules if m.issue == "underflow"]
-                lines.append(f"# no loss scale fits every gradient in {half} (they would need "
-                             f"2^{low}..2^{high}); keep {', '.join(under)} in float32 or use bf16")
+                lines.append(f"# no loss scale fits every gradient in {half}: the smallest need "
+                             f"at least 2^{low}, the largest allow at most 2^{high}; keep "
+                             f"{', '.join(under)} in float32 or use bf16")
         for name, step, why in self.fallbacks:
             lines.append(f"# step {step}: the fp32 fallback moved {name} to float32 ({why})")
         return lines

@@ -148,7 +148,7 @@ class OverflowWatch:
                  on_overflow: str = "skip", patience: int = 8,
                  detect_overflow: str | None = None, casts_patched: bool = False,
                  release_masters: Release | None = None, numerics: str | None = None,
-                 numerics_every: int = 100, numerics_shadow_every: int = 0,
+                 numerics_every: int = 100, numerics_shadow_every: int = 10,
                  dtype: torch.dtype = torch.float16,
                  loss_scale: Callable[[], float] | None = None,
                  keep_fp32: Sequence[str] = (), call: str | None = None) -> None:
