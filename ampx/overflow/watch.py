@@ -231,8 +231,10 @@ class OverflowWatch:
         if self.numerics is not None:
             # the monitor names where the overflow started when it watched this step; a
             # skip it did not watch is not attributed (the next step is watched instead)
-            attribute = self.numerics.flush()
-            origin = self.numerics.first_overflow() if attribute else None
+            # (and a watched skip with no forward overflow came from the gradients alone:
+            # the scaler's business, no module's)
+            origin = self.numerics.first_overflow() if self.numerics.flush() else None
+            attribute = origin is not None
             if origin is not None:
                 forward = (origin, "inf")
         report = flags.report(step=step, loss_ids=loss_ids, scales={}, forward=forward,

@@ -329,3 +329,22 @@ def test_ampx_run_numerics_writes_the_report(tmp_path, capsys):
     # one heat-map row per module: (root), 0, 1, 2, 3
     assert sorted(data["history"]["modules"]) == ["(root)", "0", "1", "2", "3"]
     assert cli.main(["run", "-q", "--numerics-every", "2", str(script), "1"]) == 2
+
+
+def test_the_docs_demo_ranks_its_four_faults_first(tmp_path, capsys):
+    """docs/debugging-overflows.md's report: examples/numerics_demo.py under ampx run."""
+    from pathlib import Path
+
+    from ampx.cli import main as cli
+
+    demo = Path(__file__).resolve().parents[2] / "examples" / "numerics_demo.py"
+    out = tmp_path / "numerics-out"
+    assert cli.main(["run", "-q", "--numerics", str(out), "--numerics-every", "5", str(demo),
+                     "--steps", "12"]) == 0
+    capsys.readouterr()
+    data = json.loads((out / "numerics.json").read_text())
+    top = [(m["name"], m["issue"]) for m in data["modules"][:4]]
+    assert top == [("block.up", "overflow"), ("block.scores", "precision"),
+                   ("aux", "underflow"), ("norm", "near overflow")]
+    assert "ampx.initialize(model, optimizer, opt_level=\"O1\", keep_fp32=['block.up', " \
+           "'block.scores'])" in data["advice"]
