@@ -1,4 +1,6 @@
-"""A legacy apex training script with four modules built to break in fp16 (docs/debugging-overflows.md).
+"""A legacy apex script whose model has four modules built to break in fp16.
+
+The report it gives is the one shown in docs/debugging-overflows.md:
 
     ampx run --numerics numerics-out examples/numerics_demo.py
 

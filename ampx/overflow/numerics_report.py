@@ -208,7 +208,8 @@ class NumericsReport:
             issue, extra = "ok", min(edge, 1.0) * 0.5
         return ModuleNumerics(
             # bands of width 1 by issue, ordered inside a band by how bad (at most 0.49)
-            name=name, leaf=leaf, issue=issue, risk=_RISK[issue] + min(extra, 1.0) * 0.49, steps=len(samples),
+            name=name, leaf=leaf, issue=issue, risk=_RISK[issue] + min(extra, 1.0) * 0.49,
+            steps=len(samples),
             origin_steps=origin_steps, max_abs=max_abs, max_input=max_input,
             overflow=overflow, underflow=_maxopt([_share(s.forward, _UNDER) for s in samples]),
             range_bits=max(ranges) if ranges else None,
