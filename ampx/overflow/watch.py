@@ -368,10 +368,14 @@ class OverflowWatch:
             self.apply_fallback(name)  # idempotent
 
     def remove_detector(self) -> None:
-        """Take the forward detector's hooks off the models (``restore``; a new session)."""
+        """Take the forward detector's and the numerics monitor's hooks off the models
+        (``restore``; a new session). A report already taken stays readable."""
         if self.detector is not None:
             self.detector.remove()
             self.detector = None
+        if self.numerics is not None:
+            self.numerics.remove()
+            self.numerics.every = 2**62  # never arms again: nothing ampx made acts after
 
     def remove(self) -> None:
         """Take the detector's, the monitor's and the fallbacks' hooks away (the session ends)."""

@@ -193,7 +193,18 @@ def test_off_installs_nothing_and_on_unhooks_between_watched_steps():
     assert all(not m._forward_hooks for m in model.modules())
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters()
                if getattr(p, "_post_accumulate_grad_hooks", None) is not None)
+
+
+def test_restore_takes_the_monitor_off_and_keeps_the_report():
+    model, opt, _ = train("big", steps=2, opt_level="O1", dtype="fp16", numerics="report",
+                          numerics_every=1)
+    monitor = SESSIONS.default.overflow_watch.numerics
+    assert monitor.armed
     ampx.restore()
+    assert not monitor.armed
+    assert all(not m._forward_hooks for m in model.modules())
+    model(torch.randn(8, D)).backward()  # nothing of ampx's acts after restore
+    assert all(not m._forward_hooks for m in model.modules()) and not monitor.armed
 
 
 def test_shadow_leaves_batchnorm_statistics_alone():
