@@ -335,6 +335,27 @@ class NumericsMonitor:
                 return self.names[index]
         return None
 
+    def agree(self, origin: str | None, process_group: Any = None) -> str | None:
+        """The origin every rank agrees on: the first, in execution order, that any rank saw.
+
+        One MAX all-reduce of a flag per module (on a skipped watched step only), so that the
+        fp32 fallback moves the same module on every rank even when one rank's data
+        overflowed it.
+        """
+        import torch.distributed as dist
+
+        device = next((p.device for m in self.models for p in m.parameters()),
+                      torch.device("cpu"))
+        if dist.get_backend(process_group) == "gloo":
+            device = torch.device("cpu")
+        flags = torch.zeros(len(self.names), device=device)
+        if origin is not None:
+            flags[self.names.index(origin)] = 1.0
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=process_group)
+        seen = set(torch.nonzero(flags).flatten().tolist())
+        order = self.order + [i for i in range(len(self.names)) if i not in self.order]
+        return next((self.names[i] for i in order if i in seen), None)
+
     def record_fallback(self, module: str, why: str) -> None:
         """Note that the fp32 fallback moved `module` to float32 at this step (for the report)."""
         self.fallbacks.append((module, self.steps, why))

@@ -233,7 +233,10 @@ class OverflowWatch:
             # skip it did not watch is not attributed (the next step is watched instead)
             # (and a watched skip with no forward overflow came from the gradients alone:
             # the scaler's business, no module's)
-            origin = self.numerics.first_overflow() if self.numerics.flush() else None
+            watched = self.numerics.flush()  # the same on every rank: steps are counted alike
+            origin = self.numerics.first_overflow() if watched else None
+            if watched and distributed:
+                origin = self.numerics.agree(origin, process_group)
             attribute = origin is not None
             if origin is not None:
                 forward = (origin, "inf")
