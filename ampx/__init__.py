@@ -54,7 +54,7 @@ if TYPE_CHECKING:  # the public names for type checkers (the same as `_EXPORTS`)
     from .options.levels import OptionError, OptLevel, Properties, UnknownOptionError
     from .overflow.policy import OverflowPersistsError
     from .overflow.report import OverflowReport
-    from .overflow.watch import last_overflow
+    from .overflow.watch import last_overflow, numerics_report
     from .scaling.checkpoint import CheckpointError
     from .scaling.protocol import master_params
     from .scaling.scaler import LossScaler
@@ -74,6 +74,7 @@ _EXPORTS: dict[str, str] = {
     "OverflowPersistsError": "overflow.policy",
     "OverflowReport": "overflow.report",
     "last_overflow": "overflow.watch",
+    "numerics_report": "overflow.watch",
     "CheckpointError": "scaling.checkpoint",
     "master_params": "scaling.protocol",
     "LossScaler": "scaling.scaler",

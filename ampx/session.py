@@ -27,8 +27,9 @@ from .model import ModelCast
 from .o1 import patch
 from .options.levels import DEFAULTS, Properties, brief, resolve_properties
 from .options.values import HALF_DTYPES, dtype_name, parse_bool
+from .overflow.numerics_report import NumericsReport
 from .overflow.report import OverflowReport
-from .overflow.watch import OverflowWatch
+from .overflow.watch import OverflowWatch, check_module_names
 from .registry import SESSIONS, OptimizerExtension
 from .scaling import checkpoint
 from .scaling.masters import optimizer_params
@@ -179,13 +180,15 @@ class Amp:
         inputs = initializer.check_inputs(models, optimizers, extensions=extensions,
                                           casts_model=props.cast_model_type is not None)
         self._check_param_dtypes(inputs.models)
+        check_module_names(inputs.models, props.keep_fp32, "keep_fp32")
         self._log_properties()
         prepared = initializer.prepare(inputs, props, self.scalers, owner=self,
                                        hooks=self._hooks(), extensions=extensions)
         self.models, self.optimizers = inputs.models, inputs.optimizers
         self._model_casts, self._o1 = prepared.casts, prepared.o1
         if props.scales_gradients:
-            self.overflow_watch = OverflowWatch.attach(self.models, self.optimizers, props)
+            self.overflow_watch = OverflowWatch.attach(
+                self.models, self.optimizers, props, loss_scale=self.scalers[0].loss_scale)
         self._initialized = True
         tel = telemetry.sink()
         if tel is not None:
@@ -281,6 +284,19 @@ class Amp:
         self._state_of(optimizer)
         watch = self.overflow_watch
         return watch.last(unwrap(optimizer)) if watch is not None else None
+
+    def numerics_report(self) -> NumericsReport:
+        """The per-module numerics report of the steps so far (``numerics="report"``).
+
+        Raises:
+            RuntimeError: When the session was not initialized with ``numerics="report"``.
+        """
+        watch = self.overflow_watch
+        if watch is None or watch.numerics is None:
+            raise RuntimeError(
+                "ampx.numerics_report: this session watches no numerics; initialize with "
+                'numerics="report" (or run the script under `ampx run --numerics`).')
+        return watch.numerics.report()
 
     def _state_of(self, optimizer: Any) -> OptimizerAmpState:
         state = amp_state_of(optimizer)

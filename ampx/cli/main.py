@@ -242,6 +242,12 @@ def _add_run(subs: Any) -> None:
     extra.add_argument("--explain-overflows", action="store_true",
                        help="name the first module whose activations became inf/NaN on "
                             "skipped steps (forces detect_overflow='forward')")
+    extra.add_argument("--numerics", nargs="?", const="ampx-numerics", metavar="DIR",
+                       help="watch every module's overflow, underflow and precision and write "
+                            "the ranked report (table, JSON, CSV, heat map) to DIR at the end "
+                            "(default ampx-numerics/; forces numerics='report')")
+    extra.add_argument("--numerics-every", type=_positive_int, metavar="N",
+                       help="with --numerics: watch one step in N (default 100)")
     extra.add_argument("--max-steps", type=_positive_int, metavar="N",
                        help="end the script (exit 0) after N optimizer steps")
     extra.add_argument("--force-apex-alias", action="store_true",
@@ -391,6 +397,11 @@ def _forced_from_args(args: argparse.Namespace) -> Any:
     forced.update({"enabled": False} if args.disable else {})
     forced.update({"dtype": args.dtype} if args.dtype is not None else {})
     forced.update({"detect_overflow": "forward"} if args.explain_overflows else {})
+    forced.update({"numerics": "report"} if args.numerics else {})
+    if args.numerics_every is not None:
+        if not args.numerics:
+            raise _UsageError("--numerics-every needs --numerics")
+        forced["numerics_every"] = args.numerics_every
     try:
         return ForcedOptions.parse(forced)
     except (OptionError, TypeError) as exc:
@@ -409,7 +420,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         script=args.script, script_args=list(args.script_args), module=args.module,
         forced=forced, telemetry_file=args.telemetry_file, max_steps=args.max_steps,
         apex_alias=not args.no_apex_alias, force_apex_alias=args.force_apex_alias,
-        quiet=args.quiet,
+        quiet=args.quiet, numerics_dir=args.numerics,
     ))
 
 

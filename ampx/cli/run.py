@@ -67,6 +67,7 @@ class RunRequest:
     apex_alias: bool = True
     force_apex_alias: bool = False
     quiet: bool = False
+    numerics_dir: Optional[str] = None  # --numerics: where the report is written at the end
 
     def __post_init__(self) -> None:
         from ..options.forced import ForcedOptions
@@ -90,6 +91,8 @@ def run(request: RunRequest) -> int:
         stack.enter_context(_warn_without_initialize(request))  # exits before the alias goes
         if request.max_steps:
             stack.enter_context(_step_limit(request.max_steps))
+        if request.numerics_dir is not None:  # last in: written before the session goes
+            stack.enter_context(_numerics_report(request.numerics_dir))
         try:
             _exec_script(request)
         except StepLimitReached:
@@ -122,6 +125,32 @@ def _exec_script(request: RunRequest) -> None:
         runpy.run_module(request.script, run_name="__main__", alter_sys=True)
     else:
         runpy.run_path(request.script, run_name="__main__")
+
+
+@contextlib.contextmanager
+def _numerics_report(directory: str) -> Iterator[None]:
+    """At the end of the run (however it ends): print and write the numerics report."""
+    try:
+        yield
+    finally:
+        from ..registry import SESSIONS
+
+        session = SESSIONS.default
+        watch = getattr(session, "overflow_watch", None)
+        if watch is None or watch.numerics is None:
+            print("ampx run --numerics: no numerics to report (the script initialized no "
+                  "model with loss scaling or inf checks here)", file=sys.stderr)
+        else:
+            try:
+                report = watch.numerics.report()
+                print(report.table(), file=sys.stderr)
+                paths = report.write(directory)
+            except Exception as exc:  # the script's own outcome stands
+                print(f"ampx run --numerics: could not write the report: {exc}",
+                      file=sys.stderr)
+            else:
+                print(f"ampx run --numerics: wrote {', '.join(str(p) for p in paths)}",
+                      file=sys.stderr)
 
 
 # -- logging ------------------------------------------------------------------------------------

@@ -23,10 +23,12 @@ from .values import (
     OptLevel,
     dtype_name,
     parse_bool,
+    parse_count,
     parse_detect_overflow,
     parse_dtype,
     parse_flag,
     parse_loss_scale,
+    parse_numerics,
     parse_opt_level,
     parse_positive,
 )
@@ -49,6 +51,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_loss_scale": lambda v: parse_positive("max_loss_scale", v, finite=False),
     "enabled": lambda v: parse_flag("enabled", v),
     "detect_overflow": parse_detect_overflow,
+    "numerics": parse_numerics,
+    "numerics_every": lambda v: parse_count("numerics_every", v),
 }
 FORCEABLE: tuple[str, ...] = tuple(_PARSERS)
 # Options that only make sense for one opt level: a forced level drops the script's values.

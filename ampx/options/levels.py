@@ -34,6 +34,8 @@ from .values import (
     parse_dtype,
     parse_flag,
     parse_loss_scale,
+    parse_module_names,
+    parse_numerics,
     parse_opt_level,
     parse_positive,
 )
@@ -86,6 +88,12 @@ class Properties:
             "fp32-fallback" (see docs/debugging-overflows.md).
         overflow_patience: Skipped steps before "raise" / "fp32-fallback" act.
         detect_overflow: None, or "forward" (find the first module whose output is inf/NaN).
+        numerics: None, or "report" (watch every module's overflow, underflow and precision:
+            ``ampx.numerics_report()``; docs/debugging-overflows.md).
+        numerics_every: Watch one step in this many (and the step after a skipped one).
+        numerics_shadow_every: Re-run modules in float32 on every this-many-th watched step
+            (the first included) to measure their half outputs' error (0: never).
+        keep_fp32: Names of modules (as in ``named_modules()``) that run in float32.
     """
 
     opt_level: OptLevel = OptLevel.O1
@@ -112,6 +120,10 @@ class Properties:
     on_overflow: str = "skip"
     overflow_patience: int = 8
     detect_overflow: str | None = None
+    numerics: str | None = None
+    numerics_every: int = 100
+    numerics_shadow_every: int = 10
+    keep_fp32: tuple[str, ...] = ()
 
     @property
     def dynamic(self) -> bool:
@@ -368,4 +380,9 @@ def resolve_properties(opt_level: Any = DEFAULTS.opt_level.value, **overrides: A
         on_overflow=parse_choice("on_overflow", options["on_overflow"], ON_OVERFLOW_CHOICES),
         overflow_patience=parse_count("overflow_patience", options["overflow_patience"]),
         detect_overflow=parse_detect_overflow(given.get("detect_overflow")),
+        numerics=parse_numerics(given.get("numerics")),
+        numerics_every=parse_count("numerics_every", options["numerics_every"]),
+        numerics_shadow_every=parse_count("numerics_shadow_every",
+                                          options["numerics_shadow_every"], minimum=0),
+        keep_fp32=parse_module_names("keep_fp32", options["keep_fp32"]),
     )

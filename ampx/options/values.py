@@ -28,6 +28,8 @@ __all__ = [
     "short_dtype_name",
     "parse_choice",
     "parse_detect_overflow",
+    "parse_module_names",
+    "parse_numerics",
     "parse_device_types",
     "parse_dtype",
     "parse_flag",
@@ -161,10 +163,11 @@ def parse_positive(name: str, value: Any, *, finite: bool = True) -> float:
     return float(number)
 
 
-def parse_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT32_MAX:
-        raise OptionError(f"ampx.initialize: {name}={value!r} must be an int >= 1 (and < 2**31, "
-                          "the scalers' int32 counters).")
+def parse_count(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) \
+            or not minimum <= value <= INT32_MAX:
+        raise OptionError(f"ampx.initialize: {name}={value!r} must be an int >= {minimum} "
+                          "(and < 2**31, the scalers' int32 counters).")
     return value
 
 
@@ -206,6 +209,27 @@ def parse_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
         return value
     raise OptionError(f"ampx.initialize: {name}={value!r} is not one of "
                       f"{', '.join(repr(c) for c in choices)}.")
+
+
+NUMERICS_CHOICES = ("report",)
+
+
+def parse_numerics(value: Any) -> str | None:
+    """None/False/"none" (off) or "report" (the per-module numerics report)."""
+    if value is None or value is False or value == "none":
+        return None
+    return parse_choice("numerics", value, NUMERICS_CHOICES)
+
+
+def parse_module_names(name: str, value: Any) -> tuple[str, ...]:
+    """Module names: a list/tuple of strings, or one comma-separated string (the CLI's)."""
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, str) and v for v in value):
+        raise OptionError(f"ampx.initialize: {name}={value!r} must be a list of module names "
+                          "(as model.named_modules() spells them).")
+    return tuple(dict.fromkeys(value))
 
 
 def parse_detect_overflow(value: Any) -> str | None:

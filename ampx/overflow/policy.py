@@ -77,8 +77,12 @@ class OverflowPolicy:
         """A step that was not skipped."""
         self.consecutive = 0
 
-    def observe_skip(self, report: OverflowReport, at_minimum: bool = False) -> str | None:
+    def observe_skip(self, report: OverflowReport, at_minimum: bool = False,
+                     attribute: bool = True) -> str | None:
         """Count a skipped step; returns a module to move to float32 now, or None.
+
+        `attribute` False: count the skip but blame no module (the numerics monitor did not
+        watch it; it watches the next step and names the origin then).
 
         Raises:
             OverflowPersistsError: Under ``"raise"``, at the minimum scale or after
@@ -92,7 +96,7 @@ class OverflowPolicy:
                 f"{report.summary()}\nampx: on_overflow='raise': {why}. Inspect the modules "
                 "above, lower the learning rate, or use bf16.", report)
         self.consecutive = consecutive
-        if self.mode != "fp32-fallback":
+        if self.mode != "fp32-fallback" or not attribute:
             return None
         culprit = self.culprit(report)
         if culprit is None:

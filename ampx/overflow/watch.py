@@ -24,10 +24,12 @@ from ..options.values import parse_detect_overflow
 from ..scaling.journal import Journal
 from .flags import GradFlags
 from .forward import ForwardDetector
+from .numerics import NumericsMonitor
 from .policy import Fp32Fallback, OverflowPolicy, find_module, fp32_params_o2
 from .report import OverflowReport, ParamNames
 
-__all__ = ["STATE_KEY", "OverflowWatch", "last_overflow", "with_report"]
+__all__ = ["STATE_KEY", "OverflowWatch", "check_module_names", "last_overflow",
+           "numerics_report", "with_report"]
 
 logger = logging.getLogger("ampx")
 
@@ -59,6 +61,46 @@ def last_overflow(optimizer: Any) -> OverflowReport | None:
     owner = getattr(state, "owner", None)
     watch = getattr(owner, "overflow_watch", None)
     return watch.last(optimizer) if watch is not None else None
+
+
+def numerics_report(session: Any = None) -> Any:
+    """The numerics report of the default session (or `session`): modules ranked by risk.
+
+    Needs ``ampx.initialize(..., numerics="report")``. The result prints as a table
+    (``print(report.table())``) and writes JSON, CSV and a heat map (``report.write(dir)``).
+
+    Raises:
+        RuntimeError: No session, or one initialized without ``numerics="report"``.
+    """
+    from ..registry import SESSIONS
+
+    session = SESSIONS.default if session is None else session
+    if session is None:
+        raise RuntimeError("ampx.numerics_report: nothing was initialized; call "
+                           'ampx.initialize(model, optimizer, numerics="report") first.')
+    return session.numerics_report()
+
+
+def check_module_names(models: Sequence[nn.Module], names: Iterable[str], option: str) -> None:
+    """Check that every name is a module of `models` (before initialize changes anything).
+
+    Raises:
+        OptionError: Naming `option` and the first unknown module.
+    """
+    from ..options.values import OptionError
+
+    for name in names:
+        try:
+            find_module(models, name)
+        except KeyError:
+            raise OptionError(f"ampx.initialize: {option}: the models have no module {name!r} "
+                              "(names as model.named_modules() gives them).") from None
+
+
+def _initialize_call(props: Any) -> str:
+    """The session's initialize call as a script writes it (unclosed), for advice lines."""
+    dtype = ', dtype="bf16"' if props.dtype == torch.bfloat16 else ""
+    return f'ampx.initialize(model, optimizer, opt_level="{props.opt_level.value}"{dtype}'
 
 
 E = TypeVar("E", bound=BaseException)
@@ -93,13 +135,23 @@ class OverflowWatch:
         casts_patched: O1: the fp32 fallback disables casts instead of swapping weights.
         release_masters: Called with the pairs an O2 fallback un-split (the protocol drops
             them from its master map); required for ``"fp32-fallback"`` with masters.
+        numerics: ``"report"`` watches every module's numerics (``NumericsMonitor``); the
+            fp32 fallback then falls back the module where an overflow starts.
+        numerics_every, numerics_shadow_every: The monitor's `every` and `shadow_every`.
+        dtype: The session's half dtype (what the numerics are judged against).
+        loss_scale: Reads the current loss scale (for the monitor, on watched steps only).
+        keep_fp32: Modules to run in float32 from the start (the fallback's mechanism).
     """
 
     def __init__(self, models: Sequence[nn.Module],
                  masters: Iterable[tuple[nn.Parameter, nn.Parameter]] = (), *,
                  on_overflow: str = "skip", patience: int = 8,
                  detect_overflow: str | None = None, casts_patched: bool = False,
-                 release_masters: Release | None = None) -> None:
+                 release_masters: Release | None = None, numerics: str | None = None,
+                 numerics_every: int = 100, numerics_shadow_every: int = 10,
+                 dtype: torch.dtype = torch.float16,
+                 loss_scale: Callable[[], float] | None = None,
+                 keep_fp32: Sequence[str] = (), call: str | None = None) -> None:
         self.policy = OverflowPolicy(on_overflow, patience)
         detect = parse_detect_overflow(detect_overflow)
         self.models = list(models)
@@ -113,17 +165,29 @@ class OverflowWatch:
         self._last: weakref.WeakKeyDictionary[Any, OverflowReport] = \
             weakref.WeakKeyDictionary()
         self._skipped: OverflowReport | None = None
+        self.numerics: NumericsMonitor | None = None
+        try:
+            for name in keep_fp32:
+                self.apply_fallback(name, why="keep_fp32")
+            if numerics == "report":
+                self.numerics = NumericsMonitor(
+                    self.models, dtype, numerics_every, numerics_shadow_every, loss_scale,
+                    **({} if call is None else {"call": call}))
+        except BaseException:
+            self.remove()
+            raise
 
     @classmethod
-    def attach(cls, models: Sequence[nn.Module], optimizers: Sequence[Any], props: Any
-               ) -> OverflowWatch:
+    def attach(cls, models: Sequence[nn.Module], optimizers: Sequence[Any], props: Any,
+               loss_scale: Callable[[], float] | None = None) -> OverflowWatch:
         """The watch of a session that just initialized `models` and `optimizers`.
 
         Args:
             models: The models.
             optimizers: Their optimizers (their ampx states hold the O2 master maps).
             props: The session's ``ampx.Properties`` (``on_overflow``, ``overflow_patience``,
-                ``detect_overflow``, ``patch_torch_functions``).
+                ``detect_overflow``, ``patch_torch_functions``, ``numerics*``, ``keep_fp32``).
+            loss_scale: Reads loss 0's current scale (the numerics monitor's).
         """
         from ..scaling.protocol import amp_state_of
 
@@ -140,7 +204,11 @@ class OverflowWatch:
 
         return cls(models, list(pairs.values()), on_overflow=props.on_overflow,
                    patience=props.overflow_patience, detect_overflow=props.detect_overflow,
-                   casts_patched=bool(props.patch_torch_functions), release_masters=release)
+                   casts_patched=bool(props.patch_torch_functions), release_masters=release,
+                   numerics=props.numerics, numerics_every=props.numerics_every,
+                   numerics_shadow_every=props.numerics_shadow_every, dtype=props.dtype,
+                   loss_scale=loss_scale, keep_fp32=props.keep_fp32,
+                   call=_initialize_call(props))
 
     # -- per step ---------------------------------------------------------------------------
     def on_skip(self, optimizer: Any, passes: Iterable[Pass], *, step: int,
@@ -159,6 +227,19 @@ class OverflowWatch:
         for loss_id, holders, tensor in passes:
             flags.record(loss_id, holders, tensor)
         forward = self.detector.first_nonfinite() if self.detector is not None else None
+        attribute = True
+        if self.numerics is not None:
+            # the monitor names where the overflow started when it watched this step; a
+            # skip it did not watch is not attributed (the next step is watched instead)
+            # (and a watched skip with no forward overflow came from the gradients alone:
+            # the scaler's business, no module's)
+            watched = self.numerics.flush()  # the same on every rank: steps are counted alike
+            origin = self.numerics.first_overflow() if watched else None
+            if watched and distributed:
+                origin = self.numerics.agree(origin, process_group)
+            attribute = origin is not None
+            if origin is not None:
+                forward = (origin, "inf")
         report = flags.report(step=step, loss_ids=loss_ids, scales={}, forward=forward,
                               process_group=process_group, distributed=distributed)
         where = f" {report.where()}" if report.where() else ""
@@ -172,7 +253,7 @@ class OverflowWatch:
         self._skipped = report
         at_minimum = any(scalers[i].at_minimum() for i in scales)
         try:
-            module = self.policy.observe_skip(report, at_minimum)
+            module = self.policy.observe_skip(report, at_minimum, attribute=attribute)
         except BaseException:
             # The raise ends the step (its telemetry and step_done never run): forget this
             # step's forward records now, or the next skip would name this step's module.
@@ -196,6 +277,8 @@ class OverflowWatch:
         report, self._skipped = self._skipped, None
         if report is None:
             self.on_clean()
+        if self.numerics is not None:
+            self.numerics.step(skipped=report is not None)
         self.after_step()
         return report
 
@@ -211,7 +294,7 @@ class OverflowWatch:
         return self._last.get(optimizer)
 
     # -- fp32 fallback ----------------------------------------------------------------------
-    def apply_fallback(self, name: str) -> None:
+    def apply_fallback(self, name: str, why: str = "on_overflow='fp32-fallback'") -> None:
         """Run module `name` in float32 from now on (logged once).
 
         Raises:
@@ -232,11 +315,17 @@ class OverflowWatch:
                 self._release(pairs)
         if name not in self.policy.fallback:
             self.policy.fallback.append(name)
+        how = ("O1 casts disabled inside it" if self.casts_patched
+               else f"{len(pairs)} parameters now use their fp32 masters")
+        if why == "keep_fp32":
+            logger.info("ampx: keep_fp32: %s runs in float32 (%s).", name, how)
+            return
+        monitor = getattr(self, "numerics", None)  # None while __init__ applies keep_fp32
+        if monitor is not None:
+            monitor.record_fallback(name, why)
         logger.warning(
-            "ampx: on_overflow='fp32-fallback': %s runs in float32 from now on (%s); "
-            "it is recorded in ampx.state_dict() so a resumed run keeps it.", name,
-            "O1 casts disabled inside it" if self.casts_patched
-            else f"{len(pairs)} parameters now use their fp32 masters")
+            "ampx: %s: %s runs in float32 from now on (%s); "
+            "it is recorded in ampx.state_dict() so a resumed run keeps it.", why, name, how)
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -282,15 +371,22 @@ class OverflowWatch:
             self.apply_fallback(name)  # idempotent
 
     def remove_detector(self) -> None:
-        """Take the forward detector's hooks off the models (``restore``; a new session)."""
+        """Take the forward detector's and the numerics monitor's hooks off the models
+        (``restore``; a new session). A report already taken stays readable."""
         if self.detector is not None:
             self.detector.remove()
             self.detector = None
+        if self.numerics is not None:
+            self.numerics.remove()
+            self.numerics.every = 2**62  # never arms again: nothing ampx made acts after
 
     def remove(self) -> None:
-        """Take the detector's and the fallbacks' hooks away (the session ends)."""
+        """Take the detector's, the monitor's and the fallbacks' hooks away (the session ends)."""
         if self.detector is not None:
             self.detector.remove()
+        monitor = getattr(self, "numerics", None)
+        if monitor is not None:
+            monitor.remove()
         for fallback in self.fallbacks.values():
             fallback.remove()
         self.fallbacks.clear()

@@ -1,0 +1,371 @@
+"""The numerics monitor: how close each module's activations and gradients are to the edge.
+
+:class:`NumericsMonitor` watches a sample of steps (every ``every``-th step, and the step after
+a skipped one). On a watched step it puts hooks on the models' modules for one forward and
+backward: each module's floating outputs, the gradient arriving at those outputs (at the
+current loss scale) and its own parameters' gradients are reduced on the device to a few
+numbers (max |x|, how many elements overflow the half dtype, how many fall below its smallest
+normal number, how many are zero, the smallest non-zero magnitude). Optionally, every
+``shadow_every``-th watched step, a module is re-run in float32 on its upcast inputs and the
+relative error of its half output is recorded. :meth:`NumericsMonitor.step` reads the step's
+numbers to the host in one copy and takes the hooks off; between watched steps no hook is
+installed, so the models run exactly as without the monitor.
+
+The ranking and the advice are in :mod:`ampx.overflow.numerics_report`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..o1.regions import disable_casts
+from .report import ROOT_MODULE
+
+__all__ = ["ModuleSample", "NumericsMonitor", "tensor_stats"]
+
+# what tensor_stats returns, in order
+_MAX, _OVER, _UNDER, _ZERO, _MINNZ, _NUMEL = range(6)
+
+
+def tensor_stats(t: torch.Tensor, tiny: float) -> torch.Tensor:
+    """``[max|x|, n_overflow, n_underflow, n_zero, min non-zero |x|, numel]`` on t's device.
+
+    Overflow: non-finite (inf or NaN; a NaN makes max |x| NaN, read as inf). A float32 value
+    beyond the half dtype's largest has not overflowed: the report judges it by max |x|
+    (near overflow). Underflow: non-zero but below the half dtype's smallest normal number
+    (`tiny`): subnormal or flushed to zero once in (or if cast to) the half dtype. Computed in
+    t's own dtype (exact for these comparisons), about a dozen small kernels in all.
+    """
+    a = t.detach().abs()
+    nonzero = a > 0  # NaN is not
+    n = a.numel()
+    return torch.stack([
+        a.max().float(),
+        (n - torch.isfinite(a).sum()).float(),
+        (nonzero & (a < tiny)).sum().float(),
+        (a == 0).sum().float(),
+        torch.where(nonzero, a, torch.full((), math.inf, dtype=a.dtype, device=a.device)
+                    ).min().float(),
+        torch.full((), float(n), device=a.device),
+    ])
+
+
+def _max_abs(t: torch.Tensor) -> torch.Tensor:
+    """max |t| as float32 on t's device, NaN counted as inf."""
+    a = t.detach().abs().float()
+    return a.masked_fill(torch.isnan(a), math.inf).max()
+
+
+def _float_tensors(value: Any) -> list[torch.Tensor]:
+    """The non-empty floating tensors of a module output (one level into tuples and dicts)."""
+    if isinstance(value, torch.Tensor):
+        items: Sequence[Any] = (value,)
+    elif isinstance(value, (tuple, list)):
+        items = value
+    elif isinstance(value, dict):
+        items = list(value.values())
+    else:
+        return []
+    return [t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point()
+            and t.numel() and not t.is_sparse]
+
+
+@dataclass
+class ModuleSample:
+    """One module's numbers on one watched step (all host floats; None: not seen)."""
+
+    step: int
+    forward: list[float] | None = None      # tensor_stats, outputs merged
+    grad: list[float] | None = None         # the gradient arriving at its outputs
+    params: list[float] | None = None       # its own parameters' gradients, merged
+    inputs: float | None = None             # the largest |x| among its floating inputs
+    shadow_error: float | None = None       # relative error of the half output vs fp32
+    loss_scale: float = 1.0
+
+    @staticmethod
+    def merge(a: list[float] | None, b: list[float]) -> list[float]:
+        """Fold two tensor_stats rows (max, sums, min)."""
+        if a is None:
+            return list(b)
+        return [max(a[_MAX], b[_MAX]), a[_OVER] + b[_OVER], a[_UNDER] + b[_UNDER],
+                a[_ZERO] + b[_ZERO], min(a[_MINNZ], b[_MINNZ]), a[_NUMEL] + b[_NUMEL]]
+
+
+@dataclass
+class _Pending:
+    """A watched step's device records: (module index, kind, stats tensor)."""
+
+    records: list[tuple[int, str, torch.Tensor]] = field(default_factory=list)
+    shadow: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
+class NumericsMonitor:
+    """Samples every module's forward and backward numbers on watched steps.
+
+    Args:
+        models: The models to watch (every named module; ``(root)`` for a model itself).
+        dtype: The session's half dtype (float16 or bfloat16): the range judged against.
+        every: Watch one step in `every` (the first step is watched).
+        shadow_every: Re-run each module in float32 on every `shadow_every`-th watched
+            step and record its half output's relative error (0: never).
+        loss_scale: Reads the loss scale the next backward will use (called when a step is
+            armed, so only on watched steps: it may sync with the device). None: 1.0.
+        call: The session's initialize call, unclosed, for the report's advice lines.
+
+    Example::
+
+        monitor = NumericsMonitor([model], torch.float16, every=100)
+        for step in ...:
+            ...  # forward, backward, optimizer.step()
+            monitor.step(skipped=ampx.step_was_skipped(optimizer))
+        print(monitor.report().table())
+    """
+
+    def __init__(self, models: Sequence[nn.Module], dtype: torch.dtype, every: int = 100,
+                 shadow_every: int = 10, loss_scale: Callable[[], float] | None = None,
+                 call: str = 'ampx.initialize(model, optimizer, opt_level="O1"') -> None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"NumericsMonitor: dtype must be float16 or bfloat16; got {dtype}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"NumericsMonitor: every must be an int >= 1; got {every!r}")
+        if isinstance(shadow_every, bool) or not isinstance(shadow_every, int) \
+                or shadow_every < 0:
+            raise ValueError(f"NumericsMonitor: shadow_every must be an int >= 0; "
+                             f"got {shadow_every!r}")
+        self.dtype = dtype
+        info = torch.finfo(dtype)
+        self.fmax, self.tiny = float(info.max), float(info.tiny)
+        self.every = every
+        self.shadow_every = shadow_every
+        self._read_scale = loss_scale
+        self.call = call
+        self._scale = 1.0                   # the loss scale of the armed step
+        self.models = list(models)
+        self.names: list[str] = []
+        self.modules: list[nn.Module] = []
+        self.leaf: list[bool] = []
+        for i, model in enumerate(self.models):
+            prefix = f"model{i}." if len(self.models) > 1 else ""
+            for name, module in model.named_modules():
+                if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+                    continue  # containers: never called
+                self.names.append(prefix + name if name else prefix + ROOT_MODULE)
+                self.modules.append(module)
+                self.leaf.append(next(module.children(), None) is None)
+        self.samples: list[list[ModuleSample]] = [[] for _ in self.names]
+        self.order: list[int] = []          # module indices in first-execution order
+        self.steps = 0                      # steps seen
+        self.watched = 0                    # watched steps so far
+        self.fallbacks: list[tuple[str, int, str]] = []  # (module, step, why), by the policy
+        self._handles: list[Any] = []
+        self._pending: _Pending | None = None
+        self._seen: set[int] = set()        # modules already in `order`
+        self._param_hooked: set[int] = set()  # leaves whose params are hooked this step
+        self._in_shadow = False
+        self._arm()
+
+    # -- arming -----------------------------------------------------------------------------
+    @property
+    def armed(self) -> bool:
+        """Whether the current step is watched (hooks installed)."""
+        return self._pending is not None
+
+    def _arm(self) -> None:
+        if self._pending is not None:
+            return
+        self._scale = float(self._read_scale()) if self._read_scale is not None else 1.0
+        self._pending = _Pending()
+        try:
+            for index, module in enumerate(self.modules):
+                self._handles.append(module.register_forward_hook(self._forward_hook(index)))
+        except BaseException:
+            self._disarm()
+            raise
+
+    def _disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._param_hooked.clear()
+        self._pending = None
+
+    def _shadow_now(self) -> bool:
+        return self.shadow_every > 0 and self.watched % self.shadow_every == 0
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _forward_hook(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            pending = self._pending
+            if pending is None or self._in_shadow or not torch.is_grad_enabled():
+                return
+            outputs = _float_tensors(output)
+            inputs = _float_tensors(tuple(args))
+            if inputs:  # the largest input magnitude: a module fed values near the edge
+                pending.records.append((index, "inputs", torch.stack(
+                    [_max_abs(t) for t in inputs]).max().reshape(1)))
+            for t in outputs:
+                pending.records.append((index, "forward", tensor_stats(t, self.tiny)))
+                if t.requires_grad:
+                    t.register_hook(self._grad_hook(index))
+            if index not in self._param_hooked:
+                self._param_hooked.add(index)
+                for param in module.parameters(recurse=False):
+                    if param.requires_grad:
+                        self._handles.append(
+                            param.register_post_accumulate_grad_hook(self._param_hook(index)))
+            if outputs and self._shadow_now():
+                self._shadow(index, module, args, outputs[0])
+        return hook
+
+    def _grad_hook(self, index: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            pending = self._pending
+            if pending is not None and grad is not None and not grad.is_sparse:
+                pending.records.append((index, "grad", tensor_stats(grad, self.tiny)))
+        return hook
+
+    def _param_hook(self, index: int) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            pending = self._pending
+            grad = param.grad
+            if pending is not None and grad is not None and not grad.is_sparse:
+                pending.records.append((index, "params",
+                                        tensor_stats(grad, self.tiny)))
+        return hook
+
+    def _shadow(self, index: int, module: nn.Module, args: Any, half_out: torch.Tensor) -> None:
+        """Re-run `module` in float32 on its upcast inputs; record the relative error."""
+        if half_out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return
+        pending = self._pending
+        assert pending is not None
+        # every parameter and buffer upcast into fresh tensors (BN statistics stay untouched)
+        state = {k: v.detach().float().clone() if v.is_floating_point() else v.clone()
+                 for k, v in {**dict(module.named_parameters()),
+                              **dict(module.named_buffers())}.items()}
+        inputs = tuple(a.detach().float() if isinstance(a, torch.Tensor)
+                       and a.is_floating_point() else a for a in args)
+        self._in_shadow = True
+        try:
+            with torch.no_grad(), disable_casts():
+                ref = torch.func.functional_call(module, state, inputs)
+        except Exception:  # a module that does not run on fp32 inputs: no shadow for it
+            return
+        finally:
+            self._in_shadow = False
+        refs = _float_tensors(ref)
+        if not refs or refs[0].shape != half_out.shape:
+            return
+        r = refs[0].float()
+        diff = (half_out.detach().float() - r).norm()
+        pending.shadow.append((index, diff / r.norm().clamp_min(torch.finfo(torch.float32).tiny)))
+
+    # -- per step ---------------------------------------------------------------------------
+    def step(self, skipped: bool = False) -> None:
+        """After every optimizer step: read a watched step's numbers (one host copy).
+
+        Arms the next watched step: every `every` steps, and the step after a skipped one
+        (so a skip is followed by a step whose numbers say where it started).
+        """
+        self.flush()
+        self.steps += 1
+        if skipped or self.steps % self.every == 0:
+            self._arm()
+
+    def flush(self) -> bool:
+        """Read the armed step's numbers now and take its hooks off; False when not armed.
+
+        The session calls it on a skipped step, before the step ends, to name the origin.
+        """
+        pending = self._pending
+        if pending is None:
+            return False
+        self._disarm()
+        self._collect(pending, self.steps, self._scale)
+        self.watched += 1
+        return True
+
+    def _collect(self, pending: _Pending, step: int, loss_scale: float) -> None:
+        if not pending.records and not pending.shadow:
+            return
+        tensors = [t for _, _, t in pending.records] + [t.reshape(1) for _, t in pending.shadow]
+        device = tensors[0].device
+        flat = torch.cat([t.reshape(-1).to(device) for t in tensors]).tolist()
+        by_module: dict[int, ModuleSample] = {}
+        pos = 0
+        for index, kind, t in pending.records:
+            row = [math.inf if math.isnan(v) else v for v in flat[pos:pos + t.numel()]]
+            pos += t.numel()
+            sample = by_module.setdefault(index, ModuleSample(step, loss_scale=loss_scale))
+            if kind == "inputs":
+                sample.inputs = row[0] if sample.inputs is None else max(sample.inputs, row[0])
+            else:
+                setattr(sample, kind, ModuleSample.merge(getattr(sample, kind), row))
+            if kind == "forward" and index not in self._seen:
+                self._seen.add(index)
+                self.order.append(index)
+        for index, _ in pending.shadow:
+            sample = by_module.setdefault(index, ModuleSample(step, loss_scale=loss_scale))
+            err = flat[pos]
+            pos += 1
+            sample.shadow_error = err if sample.shadow_error is None else max(
+                sample.shadow_error, err)
+        for index, sample in by_module.items():
+            self.samples[index].append(sample)
+
+    def first_overflow(self) -> str | None:
+        """The first module, in execution order, whose output overflowed on the last watched step.
+
+        Children run before their parent returns, so the first in execution order is where
+        the overflow started; every later module only carries it on.
+        """
+        last = max((s[-1].step for s in self.samples if s), default=None)
+        if last is None:
+            return None
+        for index in self.order:
+            samples = self.samples[index]
+            if samples and samples[-1].step == last and samples[-1].forward is not None \
+                    and samples[-1].forward[_OVER] > 0:
+                return self.names[index]
+        return None
+
+    def agree(self, origin: str | None, process_group: Any = None) -> str | None:
+        """The origin every rank agrees on: the first, in execution order, that any rank saw.
+
+        One MAX all-reduce of a flag per module (on a skipped watched step only), so that the
+        fp32 fallback moves the same module on every rank even when one rank's data
+        overflowed it.
+        """
+        import torch.distributed as dist
+
+        device = next((p.device for m in self.models for p in m.parameters()),
+                      torch.device("cpu"))
+        if dist.get_backend(process_group) == "gloo":
+            device = torch.device("cpu")
+        flags = torch.zeros(len(self.names), device=device)
+        if origin is not None:
+            flags[self.names.index(origin)] = 1.0
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=process_group)
+        seen = set(torch.nonzero(flags).flatten().tolist())
+        order = self.order + [i for i in range(len(self.names)) if i not in self.order]
+        return next((self.names[i] for i in order if i in seen), None)
+
+    def record_fallback(self, module: str, why: str) -> None:
+        """Note that the fp32 fallback moved `module` to float32 at this step (for the report)."""
+        self.fallbacks.append((module, self.steps, why))
+
+    def report(self) -> Any:
+        """The :class:`~ampx.overflow.numerics_report.NumericsReport` of the steps so far."""
+        from .numerics_report import NumericsReport
+
+        return NumericsReport.from_monitor(self)
+
+    def remove(self) -> None:
+        """Take every hook off (the session ends, or ``restore``)."""
+        self._disarm()
