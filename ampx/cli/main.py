@@ -295,6 +295,9 @@ def _add_sweep(subs: Any) -> None:
     sweep.add_argument("--no-autocast", action="store_true",
                        help="skip the torch.autocast comparison row (built-in examples only)")
     sweep.add_argument("--no-plot", action="store_true", help="do not write sweep.png")
+    sweep.add_argument("--numerics", action="store_true",
+                       help="run each O1-O3 configuration with the numerics report (ampx run "
+                            "--numerics) and list the modules it finds at risk under the table")
     sweep.add_argument("--force-apex-alias", action="store_true",
                        help="pass --force-apex-alias to every run")
 

@@ -359,3 +359,28 @@ def test_the_docs_demo_ranks_its_four_faults_first(tmp_path, capsys):
                    ("aux", "underflow"), ("norm", "near overflow")]
     assert "ampx.initialize(model, optimizer, opt_level=\"O1\", keep_fp32=['block.up', " \
            "'block.scores'])" in data["advice"]
+
+
+@pytest.mark.slow
+def test_sweep_numerics_lists_the_modules_at_risk(tmp_path, capsys):
+    """`ampx sweep --numerics`: each O1-O3 row carries its report's top modules at risk."""
+    import csv
+    from pathlib import Path
+
+    from ampx.cli import main as cli
+
+    demo = Path(__file__).resolve().parents[2] / "examples" / "numerics_demo.py"
+    out = tmp_path / "sweep"
+    assert cli.main(["sweep", str(demo), "--numerics", "--levels", "O0,O1", "--dtypes", "fp16",
+                     "--steps", "4", "--no-plot", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "O1 fp16: numerics at risk: block.up (overflow), block.scores (precision), " \
+           "aux (underflow)" in text
+    rows = {r["label"]: r for r in json.loads((out / "sweep.json").read_text())["rows"]}
+    assert rows["O1 fp16"]["numerics_at_risk"][0] == ["block.up", "overflow"]
+    assert rows["O0"]["numerics_at_risk"] == []  # fp32: nothing to watch
+    with open(out / "sweep.csv", newline="") as handle:
+        by_label = {r["label"]: r for r in csv.DictReader(handle)}
+    assert by_label["O1 fp16"]["numerics_at_risk"].startswith("block.up (overflow)")
+    reports = sorted(p.parent.name for p in (out / "runs").rglob("numerics.json"))
+    assert len(reports) == 1 and reports[0].endswith(".numerics")  # O1's only

@@ -66,6 +66,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         timeout_s=args.timeout if args.timeout is not None or budget else 900.0,
         repeat=args.repeat, budget_s=budget,
         example=example.name if example else None, run_options=run_options,
+        numerics=bool(getattr(args, "numerics", False)),
     )
 
 

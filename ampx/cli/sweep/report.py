@@ -89,6 +89,9 @@ def format_table(rows: Sequence[Row]) -> str:
         if row.skip_culprits:
             named = ", ".join(f"{name} ({count})" for name, count in row.skip_culprits)
             lines.append(f"{row.label}: skipped steps overflowed first in {named}")
+        if row.numerics_at_risk:
+            named = ", ".join(f"{name} ({issue})" for name, issue in row.numerics_at_risk)
+            lines.append(f"{row.label}: numerics at risk: {named}")
     noisy = [r for r in rows if r.ok and r.unreliable]
     for row in noisy:
         lines.append(f"{row.label}: note: {row.unreliable}")
@@ -146,7 +149,8 @@ def write_json(rows: Sequence[Row], path: Path, meta: Mapping[str, Any]) -> Path
 _CSV_FIELDS = ["label", "opt_level", "dtype", "status", "speedup", "speedup_low", "speedup_high",
                "unreliable", "step_time_s", "step_time_q1", "step_time_q3", "step_time_spread",
                "other_cpus", "load_avg", "peak_mem_bytes", "mem_ratio", "final_loss",
-               "loss_delta", "skipped", "final_scale", "steps", "wall_s", "returncode", "error"]
+               "loss_delta", "skipped", "final_scale", "steps", "wall_s", "returncode", "error",
+               "numerics_at_risk"]
 
 
 def write_csv(rows: Sequence[Row], path: Path) -> Path:
@@ -155,7 +159,10 @@ def write_csv(rows: Sequence[Row], path: Path) -> Path:
         writer = csv.DictWriter(handle, fieldnames=_CSV_FIELDS)
         writer.writeheader()
         for row in rows:
-            writer.writerow({f: getattr(row, f) for f in _CSV_FIELDS})
+            values = {f: getattr(row, f) for f in _CSV_FIELDS}
+            values["numerics_at_risk"] = "; ".join(
+                f"{name} ({issue})" for name, issue in row.numerics_at_risk)
+            writer.writerow(values)
     return path
 
 

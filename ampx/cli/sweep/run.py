@@ -9,6 +9,7 @@ into a `Row`. The sweep (`ampx.cli.sweep`) decides what runs and in which order.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -91,6 +92,8 @@ class SweepSpec:
             machine's speed hits every configuration alike); each configuration keeps its
             fastest (least disturbed) run.
         run_options: Extra `ampx run` options for every run.
+        numerics: Run the O1-O3 configurations with ``ampx run --numerics`` (the report goes
+            next to the run's telemetry, ``runs/<slug>.numerics/``).
         env: Extra environment variables for the runs.
     """
 
@@ -107,6 +110,7 @@ class SweepSpec:
     repeat: int = 1
     run_options: list[str] = dataclasses.field(default_factory=list)
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    numerics: bool = False
 
 
 def build_configs(levels: Sequence[str], dtypes: Sequence[str], *,
@@ -145,6 +149,8 @@ def command_for(spec: SweepSpec, config: SweepConfig, telemetry_file: Path) -> l
             cmd += ["--dtype", config.dtype]
     if spec.steps is not None:
         cmd += ["--max-steps", str(spec.steps)]
+    if spec.numerics and config.opt_level not in (None, "O0"):
+        cmd += ["--numerics", str(numerics_dir(telemetry_file))]
     cmd += list(spec.run_options)
     cmd += [str(spec.script), *spec.script_args]
     if spec.example is not None:
@@ -153,6 +159,11 @@ def command_for(spec: SweepSpec, config: SweepConfig, telemetry_file: Path) -> l
         if config.autocast:
             cmd += ["--autocast", "--dtype", config.dtype or "bf16"]
     return cmd
+
+
+def numerics_dir(telemetry_file: Path) -> Path:
+    """Where a run's numerics report goes (beside its telemetry)."""
+    return telemetry_file.with_suffix(".numerics")
 
 
 def child_env(extra: Mapping[str, str]) -> dict[str, str]:
@@ -295,6 +306,14 @@ def _finish(row: Row, proc: subprocess.Popen[Any], outcome: Optional[str],
 def _summarize_run(row: Row, telemetry_file: Path) -> None:
     init, steps = telemetry.read_telemetry(telemetry_file)
     summarize(row, init, steps)
+    report = numerics_dir(telemetry_file) / "numerics.json"
+    if report.is_file():  # the run's numerics report (sweep --numerics): its top modules at risk
+        try:
+            modules = json.loads(report.read_text(encoding="utf-8"))["modules"]
+            row.numerics_at_risk = [[m["name"], m["issue"]] for m in modules
+                                    if m["issue"] != "ok"][:3]
+        except (ValueError, KeyError, TypeError):
+            row.numerics_at_risk = []
     withhold(row)
     if row.status == "no data":
         if steps:

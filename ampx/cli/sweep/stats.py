@@ -73,6 +73,8 @@ class Row:
         loss_delta: (final_loss - O0's) / |O0's|.
         skip_culprits: The modules most often named by the overflow reports of skipped steps
             (`[[name, count], ...]`, top 3; the forward module when the report has one).
+        numerics_at_risk: With ``ampx sweep --numerics``: the numerics report's top modules
+            at risk (`[[name, issue], ...]`, top 3).
         unreliable: Why this row's timings (or O0's, which its speed-up divides) are not to
             be trusted, or None.
         series: Per-step "loss", "loss_scale", "step_time_s" and "skipped" lists.
@@ -105,6 +107,7 @@ class Row:
     mem_ratio: Optional[float] = None
     loss_delta: Optional[float] = None
     skip_culprits: list[list[Any]] = dataclasses.field(default_factory=list)
+    numerics_at_risk: list[list[str]] = dataclasses.field(default_factory=list)
     unreliable: Optional[str] = None
     series: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
     init: Optional[dict[str, Any]] = None
