@@ -351,13 +351,14 @@ class Amp:
     def restore(self) -> None:
         """Remove everything this session installed: its O1 patches (if it still owns them)
         and every hook on its models (input/output casts, state-dict hooks, the forward
-        detector), so repeated initialize/restore cycles on one model leave nothing behind.
+        detector, fp32 fallbacks): initialize/restore cycles on one model leave nothing behind.
 
-        Model casts, fp32 fallbacks and the optimizers' state stay: an O2/O3 model stays a
-        half model, whose `state_dict()` now saves its own (half) values, not the masters.
+        The casts and the optimizers' state stay: an O2/O3 model stays a half model (a
+        fallback module float32), whose `state_dict()` saves its own values, not the masters.
         """
         self.remove_patches()
-        self.remove_detector()
+        if self.overflow_watch is not None:  # the detector's and the fp32 fallbacks' hooks
+            self.overflow_watch.remove()
         for cast in self._model_casts:
             cast.remove_hooks()
 

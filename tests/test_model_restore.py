@@ -60,13 +60,19 @@ def test_restore_removes_every_hook_of_every_cycle(level: str, half_dtype: torch
     for cycle in range(3):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         options = dict(opt_level=level, dtype=half_dtype, verbosity=0,
-                       cast_model_outputs=torch.float32, detect_overflow="forward")
+                       cast_model_outputs=torch.float32, detect_overflow="forward",
+                       on_overflow="fp32-fallback")
         amp = None
         if api == "module":
             model, opt = ampx.initialize(model, opt, **options)
+            session = ampx.frontend.default_session()
         else:
-            amp = ampx.Amp(**options)
+            session = amp = ampx.Amp(**options)
             model, opt = amp.initialize(model, opt)
+        watch = session.overflow_watch if session is not None else None
+        assert (watch is None) == (level == "O3" and half_dtype == torch.float16)  # apex's 1.0
+        if watch is not None and level == "O2" and cycle < 2:  # as after overflows in it
+            watch.apply_fallback("3")  # (the last cycle casts it back to half)
         assert _hooks(model) != pristine  # the session hooked the model
         _step(model, opt, amp)
         if amp is None:
