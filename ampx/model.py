@@ -2,9 +2,10 @@
 
 Nothing here reassigns `model.forward` (apex did, which broke DataParallel replicas and
 `copy.deepcopy`); inputs and outputs are cast by forward hooks, which travel with the module.
-Hooks hold only dtypes and weak references to the session's master map, which a copy or a
-pickle of the model leaves behind: a deep copy (an EMA copy) is an independent model that
-computes with its own weights, and `torch.save(model)` works.
+Hooks hold dtypes, parameters of their own model (which a copy maps to its own) and weak
+references to the session's master map, which a copy or a pickle of the model leaves behind:
+a deep copy (an EMA copy) is an independent model that computes with its own weights, and
+`torch.save(model)` works. `restore()` takes every hook off (`ModelCast.remove_hooks`).
 """
 
 from __future__ import annotations
@@ -154,11 +155,11 @@ def _refloat_kept_batchnorm(model: nn.Module, dtype: torch.dtype) -> None:
     stay rounded: said once, as a warning.
     """
     rounded = []
-    with torch.no_grad():
-        for name, module in model.named_modules():
+    with torch.no_grad():  # last to first: `InputCast.kept` (the first) is done last
+        for name, module in reversed(list(model.named_modules())):
             if not _is_kept_batchnorm(module, True):
                 continue
-            for param in module._parameters.values():
+            for param in reversed(module._parameters.values()):
                 if param is not None and param.dtype in HALF_DTYPES:
                     _cast_param(param, torch.float32, lambda undo: None)
                     rounded.append(name)
