@@ -135,5 +135,23 @@ def test_swav_style_syncbn_trains_under_torch_ddp(results: list, case: tuple) ->
                                        rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_torch_syncbn_forward_runs_on_the_apex_layer(momentum: float | None) -> None:
+    """On GPUs the layer's forward is torch's SyncBatchNorm's: every attribute that reads
+    exists on it (checked here on its path without a process group)."""
+    from ampx.compat.apex import parallel as apex_parallel
+
+    layer, reference = apex_parallel.SyncBatchNorm(3, momentum=momentum), nn.BatchNorm1d(
+        3, momentum=momentum)
+    assert not isinstance(layer, nn.SyncBatchNorm)  # torch's DDP refuses those on CPU
+    for _ in range(2):
+        x = torch.randn(5, 3)
+        torch.testing.assert_close(nn.SyncBatchNorm.forward(layer, x), reference(x))  # type: ignore[arg-type]
+    for name, buf in reference.named_buffers():
+        torch.testing.assert_close(layer.get_buffer(name), buf)
+    with pytest.raises(ValueError, match="non-zero"):
+        nn.SyncBatchNorm.forward(layer, torch.randn(2, 0))  # type: ignore[arg-type]
+
+
 if __name__ == "__main__":
     _worker(int(sys.argv[1]), sys.argv[2], sys.argv[3])
