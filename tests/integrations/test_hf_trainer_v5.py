@@ -96,8 +96,9 @@ def by_hand(level: str, dtype: str, tmp: Path, overflow_at: int | None = None
             sched.step()
         lrs.append(sched.get_last_lr()[0])
         model.zero_grad()
-    ampx.restore()
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}, lrs
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # before restore: the
+    ampx.restore()  # masters (restore takes the fp32 state-dict hook off)
+    return losses, state, lrs
 
 
 def weights_equal(model: torch.nn.Module, want: dict[str, torch.Tensor]) -> bool:
