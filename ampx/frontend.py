@@ -133,7 +133,7 @@ def initialize(
         # into a model initialized at another level (an O2 bf16 model under O1 fp16 casts).
         logger.info("ampx.initialize: removing the previous session's O1 function patches; "
                     "its models now run without O1 casts.")
-        previous.restore()
+        previous.remove_patches()
     return result
 
 
@@ -209,13 +209,15 @@ def step_was_skipped(optimizer: torch.optim.Optimizer) -> bool:
 def restore() -> None:
     """Undo O1's patching: torch, torch.Tensor and torch.nn.functional get their original objects.
 
-    Models and optimizers keep their casts and hooks, except the forward overflow detector's
-    (``detect_overflow="forward"``), which come off, and what the registered extensions added
-    (apex's private optimizer names); the default session is forgotten (the optimizers it
-    returned keep using the shared loss scalers until the next `initialize`).
+    Every hook the default session put on its models comes off (input/output casts, the
+    state-dict hooks, the forward overflow detector); models keep their casts (an O2 model stays
+    half, and its `state_dict()` saves its half values from now on), optimizers their state. The
+    default session is forgotten (the optimizers it returned keep using the shared loss scalers
+    until the next `initialize`). What the registered extensions added (apex's private
+    optimizer names) is taken off too.
     """
     if SESSIONS.default is not None:
-        SESSIONS.default.remove_detector()
+        SESSIONS.default.restore()
     patch.deactivate()
     for extension in SESSIONS.extensions:
         extension.detach_all()

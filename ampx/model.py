@@ -2,9 +2,10 @@
 
 Nothing here reassigns `model.forward` (apex did, which broke DataParallel replicas and
 `copy.deepcopy`); inputs and outputs are cast by forward hooks, which travel with the module.
-Hooks hold only dtypes and weak references to the session's master map, which a copy or a
-pickle of the model leaves behind: a deep copy (an EMA copy) is an independent model that
-computes with its own weights, and `torch.save(model)` works.
+Hooks hold dtypes, parameters of their own model (which a copy maps to its own) and weak
+references to the session's master map, which a copy or a pickle of the model leaves behind:
+a deep copy (an EMA copy) is an independent model that computes with its own weights, and
+`torch.save(model)` works. `restore()` takes every hook off (`ModelCast.remove_hooks`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .distributed import local
 from .o1.casting import cast_tree
 from .options.values import HALF_DTYPES
 from .scaling.journal import Journal
@@ -29,6 +31,7 @@ __all__ = ["ModelCast", "cast_model", "check_models", "device_types_of"]
 
 logger = logging.getLogger("ampx")
 
+_COMPUTE_DTYPES = (torch.float32, *HALF_DTYPES)
 _PARALLEL_WRAPPERS = (nn.DataParallel, nn.parallel.DistributedDataParallel)
 
 
@@ -70,30 +73,6 @@ def _floating_tensors(model: nn.Module) -> list[torch.Tensor]:
     return tensors
 
 
-class InputCast:
-    """Forward pre-hook: cast floating inputs (args and kwargs) to `dtype`."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return (cast_tree(args, self.dtype, _always), cast_tree(kwargs, self.dtype, _always))
-
-
-class OutputCast:
-    """Forward hook: cast floating outputs to `dtype`."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        return cast_tree(output, self.dtype, _always)
-
-
-def _always(tensor: torch.Tensor) -> bool:
-    return True
-
-
 class _MastersRef:
     """A weak reference to a `MasterMap` that pickles and copies as "no masters".
 
@@ -113,24 +92,118 @@ class _MastersRef:
         return state
 
 
+class InputCast(_MastersRef):
+    """Forward pre-hook: cast floating inputs (args and kwargs) to the model's dtype.
+
+    That is `dtype` until the model is converted (``model.float()``, ``.half()``,
+    ``.to(dtype)``): `follows` is one parameter cast to `dtype` (held strongly, so a copy of
+    the model follows its own), and when its dtype changes the inputs follow it and the
+    parameters with fp32 masters take their masters' values in the new dtype (one dtype
+    check per call otherwise). Batchnorm kept in float32 goes back to float32.
+    """
+
+    def __init__(self, dtype: torch.dtype, masters: MasterMap | None = None,
+                 follows: torch.Tensor | None = None, kept: torch.Tensor | None = None
+                 ) -> None:
+        super().__init__(masters)
+        self.dtype = dtype
+        self.follows = follows
+        self.kept = kept  # a parameter of batchnorm kept in float32 (`model.half()` casts it)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        follows, kept = self.follows, self.kept
+        if ((follows is not None and follows.dtype != self.dtype)
+                or (kept is not None and kept.dtype != torch.float32)):
+            self._convert(module, self.dtype if follows is None else follows.dtype)
+        return (cast_tree(args, self.dtype, _always), cast_tree(kwargs, self.dtype, _always))
+
+    def _convert(self, model: nn.Module, dtype: torch.dtype) -> None:
+        if dtype not in _COMPUTE_DTYPES:  # the unscale and master kernels take no others
+            raise TypeError(
+                f"ampx: the model was converted to {dtype} after initialize; an initialized "
+                "model computes in float16, bfloat16 or float32 (its masters stay float32). "
+                "Convert it back with model.float(), model.half() or model.bfloat16().")
+        if self.kept is not None and self.kept.dtype != torch.float32:
+            _refloat_kept_batchnorm(model, self.kept.dtype)
+        if dtype != self.dtype:
+            masters = self.masters()
+            rederived = masters.rederive() if masters is not None else 0
+            logger.info("ampx: the model was converted from %s to %s after initialize: its "
+                        "inputs are cast to %s, and %d parameters took their fp32 masters' "
+                        "values", self.dtype, dtype, dtype, rederived)
+            self.dtype = dtype
+
+
+class OutputCast:
+    """Forward hook: cast floating outputs to `dtype`."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return cast_tree(output, self.dtype, _always)
+
+
+def _always(tensor: torch.Tensor) -> bool:
+    return True
+
+
+def _refloat_kept_batchnorm(model: nn.Module, dtype: torch.dtype) -> None:
+    """Batchnorm kept in float32 and converted to a half dtype since goes back to float32.
+
+    Its parameters have no masters (the optimizer steps them as they are), so the values
+    stay rounded: said once, as a warning.
+    """
+    rounded = []
+    with torch.no_grad():  # last to first: `InputCast.kept` (the first) is done last
+        for name, module in reversed(list(model.named_modules())):
+            if not _is_kept_batchnorm(module, True):
+                continue
+            for param in reversed(module._parameters.values()):
+                if param is not None and param.dtype in HALF_DTYPES:
+                    _cast_param(param, torch.float32, lambda undo: None)
+                    rounded.append(name)
+            for key, buf in list(module._buffers.items()):
+                if buf is not None and buf.dtype in HALF_DTYPES:
+                    module._buffers[key] = buf.float()
+    if rounded:
+        logger.warning(
+            "ampx: the model was converted to %s after initialize: the batchnorm layers kept "
+            "in float32 (%s) are float32 again, but their parameters were rounded to %s (they "
+            "have no fp32 masters). Evaluate in float32 without converting the model: it "
+            "takes float32 inputs as it is (or convert a copy.deepcopy of it).",
+            dtype, ", ".join(sorted(set(rounded))), dtype)
+
+
+def _shares(value: torch.Tensor, master: torch.Tensor) -> bool:
+    """Whether a state-dict entry is the master itself (an inner module's hook put it)."""
+    return local(value).data_ptr() == local(master).data_ptr()
+
+
 class Fp32StateDict(_MastersRef):
     """State-dict post-hook: half entries of a module come out as float32.
 
-    Split (O2) parameters come out as their fp32 masters, so saving `model.state_dict()` loses
-    no precision and loading it back restores the masters exactly. Each hook covers the
-    module's whole subtree (a submodule attached after initialize has no hook of its own);
-    entries already float32 are skipped, so nested hooks cost a dtype check each.
+    Split (O2) parameters come out as their fp32 masters, whatever dtype the model was
+    converted to since (``model.float()``), so saving `model.state_dict()` loses no precision
+    and loading it back restores the masters exactly. Each hook covers the module's whole
+    subtree (a submodule attached after initialize has no hook of its own); entries an inner
+    hook already replaced are skipped, so nested hooks cost a lookup each.
     """
 
     def __call__(self, module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
         masters = self.masters()
         for name, param in module.named_parameters(prefix=prefix[:-1], remove_duplicate=False):
             value = state.get(name)
-            if value is None or not value.is_floating_point() or value.dtype == torch.float32:
+            if value is None or not value.is_floating_point():
                 continue
-            # before first use a master written over in the model (DDP) saves the model's value
-            master = masters.current(param) if masters is not None else None
-            state[name] = master.detach() if master is not None else value.float()
+            master = masters.master_of(param) if masters is not None else None
+            if master is not None:
+                if value.dtype != torch.float32 or not _shares(value, master):
+                    # before first use a master written over in the model (DDP) saves the
+                    # model's value
+                    state[name] = masters.current(param).detach()  # type: ignore[union-attr]
+            elif value.dtype in HALF_DTYPES:
+                state[name] = value.float()
         for name, _ in module.named_buffers(prefix=prefix[:-1], remove_duplicate=False):
             value = state.get(name)
             if value is not None and value.dtype in HALF_DTYPES:
@@ -248,8 +321,9 @@ def cast_model(
         record.journal.record(record.remove_hooks)  # undone last: the hooks come off
         if dtype is not None:
             _cast_weights(model, dtype, keep_batchnorm_fp32, split_params, record)
-            record.handles.append(
-                model.register_forward_pre_hook(InputCast(dtype), with_kwargs=True))
+            follows, kept = _reference_params(model, dtype, keep_batchnorm_fp32)
+            record.handles.append(model.register_forward_pre_hook(
+                InputCast(dtype, record.masters, follows, kept), with_kwargs=True))
             if dtype != torch.float32:
                 hook = Fp32StateDict(record.masters)
                 loader = LoadIntoMasters(record.masters)
@@ -264,6 +338,23 @@ def cast_model(
         record.undo()
         raise
     return record
+
+
+def _reference_params(model: nn.Module, dtype: torch.dtype, keep_bn: bool | None
+                      ) -> tuple[nn.Parameter | None, nn.Parameter | None]:
+    """One parameter `cast_model` gave `dtype` (the model's dtype, followed) and one of
+    batchnorm kept in float32 (None where there is none)."""
+    follows = kept = None
+    for module in model.modules():
+        is_kept = _is_kept_batchnorm(module, keep_bn)
+        for param in module._parameters.values():
+            if param is None or not param.is_floating_point():
+                continue
+            if is_kept and kept is None and dtype != torch.float32:
+                kept = param
+            elif not is_kept and follows is None and param.dtype == dtype:
+                follows = param
+    return follows, kept
 
 
 def _cast_weights(model: nn.Module, dtype: torch.dtype, keep_bn: bool | None,

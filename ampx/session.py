@@ -387,15 +387,24 @@ class Amp:
         return self._o1 is not None and patch.active() is self._o1
 
     def restore(self) -> None:
-        """Remove this session's O1 patches (if it still owns them) and its forward detector.
+        """Remove everything this session installed: its O1 patches (if it still owns them)
+        and every hook on its models (input/output casts, state-dict hooks, the forward
+        detector, fp32 fallbacks): initialize/restore cycles on one model leave nothing behind.
 
-        The detector's hooks (``detect_overflow="forward"``) come off the models; model casts,
-        fp32 fallbacks and the optimizers' state stay.
+        The casts and the optimizers' state stay: an O2/O3 model stays a half model (a
+        fallback module float32), whose `state_dict()` saves its own values, not the masters.
         """
+        self.remove_patches()
+        if self.overflow_watch is not None:  # the detector's and the fp32 fallbacks' hooks
+            self.overflow_watch.remove()
+        for cast in self._model_casts:
+            cast.remove_hooks()
+
+    def remove_patches(self) -> None:
+        """Remove this session's O1 patches if it still owns them (its models keep their hooks)."""
         if self._o1 is not None and patch.active() is self._o1:
             patch.deactivate()
         self._o1 = None
-        self.remove_detector()
 
     def remove_detector(self) -> None:
         """Take the forward overflow detector's hooks off this session's models (if any)."""

@@ -95,7 +95,7 @@ def bench(name: str, args: argparse.Namespace) -> dict[str, float]:
             watch.numerics = NumericsMonitor([model], dtype, every=1, shadow_every=shadow)
         elif config == "unwatched":
             watch.numerics = NumericsMonitor([model], dtype, every=10**9)
-            watch.numerics.remove()  # its first (armed) step is over: nothing installed
+            watch.numerics.flush()  # its first (armed) step is over: nothing installed
 
     for config in CONFIGS:
         configure(config)

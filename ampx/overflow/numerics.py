@@ -168,6 +168,7 @@ class NumericsMonitor:
         self._seen: set[int] = set()        # modules already in `order`
         self._param_hooked: set[int] = set()  # leaves whose params are hooked this step
         self._in_shadow = False
+        self._closed = False
         self._arm()
 
     # -- arming -----------------------------------------------------------------------------
@@ -177,7 +178,7 @@ class NumericsMonitor:
         return self._pending is not None
 
     def _arm(self) -> None:
-        if self._pending is not None:
+        if self._pending is not None or self._closed:
             return
         self._scale = float(self._read_scale()) if self._read_scale is not None else 1.0
         self._pending = _Pending()
@@ -367,5 +368,7 @@ class NumericsMonitor:
         return NumericsReport.from_monitor(self)
 
     def remove(self) -> None:
-        """Take every hook off (the session ends, or ``restore``)."""
+        """Take every hook off for good (the session ends, or ``restore``): it never arms
+        again, so nothing of it acts on the models afterwards. The samples stay readable."""
+        self._closed = True
         self._disarm()

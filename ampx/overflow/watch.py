@@ -377,8 +377,7 @@ class OverflowWatch:
             self.detector.remove()
             self.detector = None
         if self.numerics is not None:
-            self.numerics.remove()
-            self.numerics.every = 2**62  # never arms again: nothing ampx made acts after
+            self.numerics.remove()  # for good: it never arms again
 
     def remove(self) -> None:
         """Take the detector's, the monitor's and the fallbacks' hooks away (the session ends)."""

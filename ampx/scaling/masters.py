@@ -39,21 +39,28 @@ class MasterMap:
     `follow` gives every master whose model parameter was written since then (DDP's broadcast
     from rank 0, an in-place init, a copy by hand) the model's value, then stops watching.
     A master that was not followed keeps its full float32 value.
+
+    A model converted after initialize (``model.float()``, ``.half()``, ``.to(dtype)``) is
+    followed: `rederive` gives its parameters their masters' values in their new dtype (each
+    pair remembers the dtype its model parameter was derived in).
     """
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
         self._watch: dict[int, tuple[nn.Parameter, int]] = {}
+        self._dtypes: dict[int, torch.dtype] = {}
 
     def add(self, model_param: nn.Parameter, master: nn.Parameter) -> None:
         """Record that `master` is the fp32 copy behind `model_param` (watched until `follow`)."""
         self._by_id[id(model_param)] = (model_param, master)
         self._watch[id(model_param)] = (model_param, model_param._version)
+        self._dtypes[id(model_param)] = model_param.dtype
 
     def track(self, model_param: torch.Tensor) -> None:
         """Watch `model_param` again from its current value (its master was just loaded)."""
         if self.master_of(model_param) is not None:
             self._watch[id(model_param)] = (model_param, model_param._version)  # type: ignore[assignment]
+            self._dtypes[id(model_param)] = model_param.dtype
 
     def current(self, model_param: torch.Tensor) -> torch.Tensor | None:
         """The master's value as `follow` would leave it, without fixing anything (None: no
@@ -62,9 +69,15 @@ class MasterMap:
         watched = self._watch.get(id(model_param))
         if master is None or watched is None or watched[0] is not model_param:
             return master
-        if model_param._version != watched[1] or not _same_value(model_param, master):
+        if self._written(model_param, master, watched[1]):
             return model_param.detach().float()
         return master
+
+    def _written(self, model_param: torch.Tensor, master: torch.Tensor, version: int) -> bool:
+        """Whether `model_param` was written since its master was derived into it (a
+        conversion to another dtype is not a write)."""
+        return model_param._version != version or not _same_value(
+            model_param, master, self._dtypes.get(id(model_param), model_param.dtype))
 
     @property
     def watching(self) -> bool:
@@ -84,12 +97,12 @@ class MasterMap:
         """
         if not self._watch:
             return 0
+        self.rederive()
         followed = 0
         with torch.no_grad():
             for key, (model_param, version) in list(self._watch.items()):
                 master = self.master_of(model_param)
-                if master is not None and (model_param._version != version
-                                           or not _same_value(model_param, master)):
+                if master is not None and self._written(model_param, master, version):
                     master.copy_(model_param)
                     followed += 1
                 del self._watch[key]
@@ -98,6 +111,34 @@ class MasterMap:
                         "parameter after initialize (a DDP broadcast, a copy or an init)",
                         followed)
         return followed
+
+    def rederive(self) -> int:
+        """Model parameters converted to another dtype since their master was derived into
+        them (``model.float()`` after initialize) take the master's value in that dtype.
+
+        `model.float()` then computes with the masters exactly, not with the half-rounded
+        values, and `model.half()` back gives what the model held. A parameter still
+        watched and written before the conversion (a DDP broadcast) is a write to follow
+        instead: its master takes the value. No collective.
+
+        Returns:
+            How many model parameters were converted.
+        """
+        converted = 0
+        with torch.no_grad():
+            for key, (model_param, master) in self._by_id.items():
+                if model_param.dtype == self._dtypes.get(key, model_param.dtype):
+                    continue
+                watched = self._watch.get(key)
+                if watched is not None and self._written(model_param, master, watched[1]):
+                    master.copy_(model_param)
+                else:
+                    model_param.copy_(master)
+                if watched is not None:
+                    self._watch[key] = (model_param, model_param._version)
+                self._dtypes[key] = model_param.dtype
+                converted += 1
+        return converted
 
     def master_of(self, model_param: torch.Tensor) -> nn.Parameter | None:
         """The master of `model_param`, or None."""
@@ -108,6 +149,7 @@ class MasterMap:
         """Forget the master of `model_param` (initialize's undo, the fp32 fallback)."""
         self._by_id.pop(id(model_param), None)
         self._watch.pop(id(model_param), None)
+        self._dtypes.pop(id(model_param), None)
 
     def pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """Every (model_param, master) pair."""
@@ -118,11 +160,12 @@ class MasterMap:
 
 
 
-def _same_value(model_param: torch.Tensor, master: torch.Tensor) -> bool:
-    """Whether the model parameter still holds its master's value (catches `.data` writes,
-    which bypass the version counter). Local shards only: no collective."""
+def _same_value(model_param: torch.Tensor, master: torch.Tensor, derived: torch.dtype) -> bool:
+    """Whether the model parameter still holds its master's value as derived in `derived`
+    (catches `.data` writes, which bypass the version counter; a conversion since is no
+    change). Local shards only: no collective."""
     model_local, master_local = local(model_param), local(master)
-    return torch.equal(model_local, master_local.to(model_local.dtype))
+    return torch.equal(model_local, master_local.to(derived).to(model_local.dtype))
 
 
 @dataclass(eq=False)

@@ -412,8 +412,9 @@ def test_class_schedulers_pickling_and_restore(half_dtype: torch.dtype) -> None:
         assert not any(name in vars(clone) for name in (*PRIVATE_NAMES, "_ampx"))
     ampx.restore()
     assert not any(hasattr(opt, name) for name in PRIVATE_NAMES)
-    with amp.scale_loss(_loss(model, 5), opt) as scaled:  # the optimizer keeps working
-        scaled.backward()
+    x = torch.randn(8, 8).to(half_dtype)  # restore took the input cast off: a half model
+    with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:  # the optimizer
+        scaled.backward()  # keeps working
     opt.step()
     with pytest.raises(RuntimeError, match="should only be passed through amp.initialize once"):
         amp.initialize(nn.Linear(2, 2), opt, opt_level="O2", verbosity=0)

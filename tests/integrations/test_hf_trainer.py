@@ -70,8 +70,9 @@ def by_hand(level: str, tmp: Path) -> tuple[list[float], dict[str, torch.Tensor]
         opt.step()
         sched.step()
         model.zero_grad()
-    ampx.restore()
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # before restore: the
+    ampx.restore()  # masters (restore takes the fp32 state-dict hook off)
+    return losses, state
 
 
 @pytest.mark.slow

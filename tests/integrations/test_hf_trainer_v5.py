@@ -102,10 +102,11 @@ def by_hand(level: str, dtype: str, tmp: Path, overflow: int | None = None
             sched.step()
         lrs.append(sched.get_last_lr()[0])
         model.zero_grad()
-    ampx.restore()
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # before restore: the
+    ampx.restore()  # masters (restore takes the fp32 state-dict hook off)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}, lrs
+    return losses, state, lrs
 
 
 def weights_equal(model: torch.nn.Module, want: dict[str, torch.Tensor]) -> bool:

@@ -12,11 +12,12 @@ ampx implementations of apex's data-parallel names, mapped onto torch's:
   ``retain_allreduce_buffers``, ``num_allreduce_streams``, ``allreduce_communicators`` and
   ``prof`` steered when and on which CUDA streams apex launched its all-reduces; torch's
   reducer decides that itself, so they are accepted and change nothing (the gradients are the
-  same). A process group must be initialized first, as in apex. Unlike torch's, it accepts
-  ampx's `SyncBatchNorm` on CPU ranks.
-- `SyncBatchNorm` is a `torch.nn.SyncBatchNorm` with apex's signature (`channel_last`,
-  `fuse_relu`, the `z` residual input); it also synchronizes on CPU (gloo), where torch's
-  refuses, and computes statistics in float32 for half inputs.
+  same). A process group must be initialized first, as in apex.
+- `SyncBatchNorm` has apex's signature (`channel_last`, `fuse_relu`, the `z` residual input).
+  Like apex's, it is a `_BatchNorm`, not a `torch.nn.SyncBatchNorm`: torch's own DDP refuses
+  every `torch.nn.SyncBatchNorm` off GPUs, and SwAV-style scripts wrap apex's in torch's DDP.
+  On GPUs it runs torch's SyncBatchNorm kernels; on CPU (gloo) it synchronizes the
+  statistics with an all-reduce of its own, computed in float32 for half inputs.
 - `convert_syncbn_model` swaps every batchnorm layer for a `SyncBatchNorm`.
 - `flat_dist_call` and the other helpers of `apex.parallel.distributed` (NVIDIA's BERT imports
   them), and `Reducer`.
@@ -247,9 +248,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self.register_comm_hook(state, _apex_allreduce_hook)
 
     def _passing_sync_batchnorm_handle(self, module: nn.Module) -> None:
-        """torch refuses every SyncBatchNorm on CPU; ampx's own synchronizes there (gloo)."""
-        torch_sync_bn = [m for m in module.modules() if isinstance(m, nn.SyncBatchNorm)
-                         and not isinstance(m, SyncBatchNorm)]
+        """torch's SyncBatchNorm refuses CPU inputs: name the converter whose layers work."""
+        torch_sync_bn = [m for m in module.modules() if isinstance(m, nn.SyncBatchNorm)]
         if torch_sync_bn and self.device_type == "cpu":
             raise ValueError(
                 "apex.parallel.DistributedDataParallel: torch.nn.SyncBatchNorm only works with "
@@ -257,8 +257,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 "SyncBatchNorm also synchronizes on CPU ranks.")
 
 
-class SyncBatchNorm(nn.SyncBatchNorm):
-    """Batchnorm with statistics over all ranks (apex's signature, torch's module).
+class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """Batchnorm with statistics over all ranks (apex's signature and base class).
+
+    Not a `torch.nn.SyncBatchNorm` (apex's was not either), so torch's DDP accepts it on CPU;
+    on GPUs `forward` is torch's SyncBatchNorm's.
 
     Args:
         num_features: Channels.
@@ -276,9 +279,18 @@ class SyncBatchNorm(nn.SyncBatchNorm):
                  process_group: Any = None, channel_last: bool = False,
                  fuse_relu: bool = False) -> None:
         super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
-                         track_running_stats=track_running_stats, process_group=process_group)
+                         track_running_stats=track_running_stats)
+        self.process_group = process_group
         self.channel_last = channel_last
         self.fuse_relu = fuse_relu
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def _check_non_zero_input_channels(self, input: torch.Tensor) -> None:
+        if input.size(1) == 0:
+            raise ValueError("SyncBatchNorm number of input channels should be non-zero")
 
     def _specify_process_group(self, process_group: Any) -> None:
         self.process_group = process_group
@@ -305,10 +317,11 @@ class SyncBatchNorm(nn.SyncBatchNorm):
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         group, world = self._world()
         if world == 1:  # torch's SyncBatchNorm would refuse CPU inputs once a group exists
-            return nn.modules.batchnorm._BatchNorm.forward(self, x)
-        if x.device.type != "cpu":
             return super().forward(x)
+        if x.device.type != "cpu":  # torch's kernels (it reads only what this class has)
+            return nn.SyncBatchNorm.forward(self, x)  # type: ignore[arg-type]
         self._check_input_dim(x)
+        self._check_non_zero_input_channels(x)
         return _cpu_sync_batch_norm(self, x, group)
 
 
