@@ -20,6 +20,7 @@ Once ampx sees a multi-rank run it adds `RankZeroFilter` to the "ampx" logger: r
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any
 
@@ -126,16 +127,24 @@ def _references(tensor: torch.Tensor) -> int:
 
 # -- DTensor (FSDP2) helpers ------------------------------------------------------------------
 
-_DTensor: Any
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # pragma: no cover - torch without distributed
-    _DTensor = None
+# A tensor is a DTensor only once something imported torch.distributed.tensor (about 1.5 s and
+# sympy): looked up then, never imported here.
+_DTENSOR: list[type] = []
+
+
+def _dtensor_type() -> type | None:
+    if not _DTENSOR:
+        cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        if cls is None:
+            return None
+        _DTENSOR.append(cls)
+    return _DTENSOR[0]
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
     """True for a `torch.distributed.tensor.DTensor` (FSDP2 parameters and gradients)."""
-    return _DTensor is not None and isinstance(tensor, _DTensor)
+    cls = _dtensor_type()
+    return cls is not None and isinstance(tensor, cls)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

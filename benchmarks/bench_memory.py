@@ -1,19 +1,24 @@
 """Peak memory of training: fp32, torch.autocast, ampx O1 and ampx O2 (CPU, bf16 by default).
 
 Each configuration runs in a process of its own (the allocator's state of one would otherwise
-shape the next): imports are done and the model is built before the baseline is read, then
-5 AdamW steps run (zero_grad, forward, loss, backward through `scale_loss` for ampx, step).
-The number is the process's peak resident set (`ru_maxrss`) above that baseline, in MiB:
-everything training adds on top of the built model (gradients, optimizer state, activations
-kept for backward, casts, ampx's bookkeeping). glibc's allocator keeps freed memory mapped,
-so the peak is what matters, not what is resident afterwards.
+shape the next): torch and ampx are imported and the model and its optimizer are built before
+the baseline is read (torch's optimizer imports dynamo then, in every configuration); then
+ampx's `initialize` runs (O1, O2) and 5 AdamW steps (zero_grad, forward, loss, backward
+through `scale_loss` for ampx, step). The number is the process's peak resident set
+(`ru_maxrss`) above that baseline, in MiB: everything `initialize` and training add on top of
+the built model (what `initialize` imports, O2's copies, gradients, optimizer state,
+activations kept for backward, casts, ampx's bookkeeping). glibc's allocator keeps freed
+memory mapped, so the peak is what matters, not what is resident afterwards.
 
 Models (issue #21): an MLP of 8 x Linear(1024) (ReLU between), batch 64; a 4-layer
 transformer encoder (d_model 512, 8 heads, FFN 2048, dropout off), sequence 128, batch 8.
 
 Run::
 
-    python benchmarks/bench_memory.py [--dtype bf16] [--repeat 3]
+    python benchmarks/bench_memory.py [--dtype bf16] [--repeat 3] [--steps 5] [--seq 128]
+
+`--seq` sets the encoder's sequence length (bf16 matmuls are slow on CPUs without native
+bf16: a shorter sequence keeps the run short; say so with the numbers).
 
 Targets (issue #21): O1 <= 1.05 x autocast, O2 <= autocast. `--repeat` runs each
 configuration that many times (separate processes) and reports the median.
@@ -31,7 +36,7 @@ import sys
 
 CONFIGS = ("fp32", "autocast", "O1", "O2")
 MODELS = {"mlp": "MLP 8 x Linear(1024), batch 64",
-          "encoder": "encoder 4 x 512, seq 128, batch 8"}
+          "encoder": "encoder 4 x 512, batch 8"}
 
 
 def _rss_mib() -> float:
@@ -39,7 +44,8 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def child(model_key: str, config: str, dtype_name: str) -> dict[str, float]:
+def child(model_key: str, config: str, dtype_name: str, steps: int = 5,
+          seq: int = 128) -> dict[str, float]:
     """Runs in the child process: the peak above the baseline, in MiB."""
     import torch
     import torch.nn.functional as F
@@ -60,15 +66,15 @@ def child(model_key: str, config: str, dtype_name: str) -> dict[str, float]:
         layer = nn.TransformerEncoderLayer(512, 8, dim_feedforward=2048, dropout=0.0,
                                            batch_first=True)
         model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
-        x, y = torch.randn(8, 128, 512), torch.randn(8, 128, 512)
+        x, y = torch.randn(8, seq, 512), torch.randn(8, seq, 512)
     opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    baseline = _rss_mib()
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     amp = None
     if config in ("O1", "O2"):
         amp = ampx.Amp(config, dtype=dtype, verbosity=0)
         model, opt = amp.initialize(model, opt)
-    baseline = _rss_mib()
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    for _ in range(5):
+    for _ in range(steps):
         opt.zero_grad(set_to_none=True)
         if config == "autocast":
             with torch.autocast("cpu", dtype=dtype):
@@ -87,9 +93,9 @@ def child(model_key: str, config: str, dtype_name: str) -> dict[str, float]:
     return {"above": peak - baseline, "baseline": baseline, "peak_before": peak_before}
 
 
-def run_one(model_key: str, config: str, dtype: str) -> float:
-    out = subprocess.run([sys.executable, __file__, "--child", model_key, config, dtype],
-                         check=True, capture_output=True, text=True)
+def run_one(model_key: str, config: str, dtype: str, steps: int, seq: int) -> float:
+    out = subprocess.run([sys.executable, __file__, "--child", model_key, config, dtype,
+                          str(steps), str(seq)], check=True, capture_output=True, text=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1])["above"])
 
 
@@ -98,19 +104,24 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seq", type=int, default=128, help="the encoder's sequence length")
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child)))
+        key, config, dtype, steps, seq = args.child
+        print(json.dumps(child(key, config, dtype, int(steps), int(seq))))
         return
-    print(f"peak RSS above the built model over 5 AdamW steps, {args.dtype}, one process per "
+    print(f"peak RSS above the built model (before initialize) over {args.steps} AdamW steps, "
+          f"{args.dtype}, encoder sequence {args.seq}, one process per "
           f"run, median of {args.repeat}; load average before: "
           + " ".join(f"{v:.2f}" for v in os.getloadavg()))
     print()
     print("| model | fp32 MiB | autocast MiB | O1 MiB | O2 MiB | O1/autocast | O2/autocast |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for key in args.models:
-        peaks = {c: statistics.median(run_one(key, c, args.dtype) for _ in range(args.repeat))
+        peaks = {c: statistics.median(run_one(key, c, args.dtype, args.steps, args.seq)
+                                      for _ in range(args.repeat))
                  for c in CONFIGS}
         print(f"| {MODELS[key]} | " + " | ".join(f"{peaks[c]:.0f}" for c in CONFIGS)
               + f" | {peaks['O1'] / peaks['autocast']:.2f} | "

@@ -1,8 +1,10 @@
-"""What an O1 session does to torch's compiler: pre-imports, dynamo's rule map, resets, caches.
+"""What an O1 session does to torch's compiler: its import, dynamo's rule map, resets, caches.
 
 Patching torch functions interacts with tables the compiler fills by identity and with caches
 keyed on what dynamo sees; `patch.activate`/`deactivate` call these around the patches
-(docs/compile.md).
+(docs/compile.md). The compiler is never imported here: while a session is installed, an
+import hook (`pristine.py`) lets it import against torch's originals whenever something
+imports it, and then does what a session needs of it (`_compiler_imported`).
 """
 
 from __future__ import annotations
@@ -14,41 +16,58 @@ from typing import Any
 
 import torch
 
+from .pristine import ImportHook, captures_at_import, changing_patches, pristine_view
 from .regions import run_region_frames_as_python
 from .registry import PATCHES
 
-__all__ = ["drop_rules_built_during_session", "hold_autograd_cache", "prepare", "reset_compiled"]
+__all__ = ["changing_patches", "drop_rules_built_during_session", "hold_autograd_cache",
+           "prepare", "reset_compiled", "unwatch"]
 
 logger = logging.getLogger("ampx")
 
-_PRE_IMPORTS = (
-    # Modules that capture torch functions by identity at import: dynamo's trace rules (a
-    # captured wrapper would be "skipped" for good), inductor's extern kernels (mm, bmm...),
-    # the TorchScript-compiled jvp decompositions. Imported before the first patch.
-    "torch._dynamo",
-    "torch._inductor.select_algorithm",
-    "torch._inductor.kernel.mm",
-    "torch._inductor.kernel.bmm",
-    "torch._decomp.decompositions_for_jvp",
-)
+def _originals() -> list[tuple[Any, str, Any]]:
+    active = PATCHES.active
+    return [] if active is None else active.patches.originals()
+
+
+def _compiler_imported() -> None:
+    """Torch's compiler is there: keep dynamo's rule map (built from the originals), keep it
+    from compiling `disable_casts`'s frames, hold AOTAutograd's cache in a session."""
+    if "torch._dynamo" not in sys.modules:
+        return
+    with pristine_view(_originals):
+        if not PATCHES.compiler_ready:
+            run_region_frames_as_python()
+            PATCHES.compiler_ready = True
+        rules = sys.modules.get("torch._dynamo.trace_rules")
+        if rules is not None:
+            # dynamo's map of torch functions is cached on first use, and torch clears it at
+            # times (init_process_group): built from the originals, whatever is patched.
+            PATCHES.rule_map = rules.get_torch_obj_rule_map()
+    if PATCHES.active is not None:
+        hold_autograd_cache(True)
+
+
+# While O1 patches are installed: the compiler's modules import against the originals.
+_HOOK = ImportHook(_originals, _compiler_imported)
 
 
 def prepare() -> None:
-    """Before a session's patches: import what captures torch functions, keep the rule map."""
-    if not PATCHES.compiler_ready:
-        for name in _PRE_IMPORTS:
-            try:
-                importlib.import_module(name)
-            except Exception as exc:  # a torch build without the compiler: nothing to protect
-                logger.debug("ampx: could not import %s before patching: %s", name, exc)
-        if "torch._dynamo" in sys.modules:
-            run_region_frames_as_python()
-        PATCHES.compiler_ready = True
-    rules = sys.modules.get("torch._dynamo.trace_rules")
-    if rules is not None:
-        # dynamo's map of torch functions is cached on first use, and torch clears it at
-        # times (init_process_group): build it from the originals before patching.
-        PATCHES.rule_map = rules.get_torch_obj_rule_map()
+    """Before a session's patches: watch for the compiler's import, or, if it is already
+    imported, keep its rule map. Imports nothing."""
+    _HOOK.install()
+    for name, module in list(sys.modules.items()):
+        spec = getattr(module, "__spec__", None)
+        if captures_at_import(name) and getattr(spec, "_initializing", False):
+            # imported by another thread before the hook was there: let it finish first
+            importlib.import_module(name)
+    _compiler_imported()
+
+
+def unwatch() -> None:
+    """When no session is left: take the import hook off `sys.meta_path`."""
+    if PATCHES.active is None:
+        _HOOK.remove()
 
 
 def reset_compiled() -> None:

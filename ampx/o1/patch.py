@@ -251,8 +251,16 @@ def activate(config: CastConfig, native: bool | None = None) -> O1Patches:
     extension has them (None, the default).
     """
     compiler.prepare()
+    try:
+        with compiler.changing_patches():  # no compiler import runs its view meanwhile
+            return _activate(config, native)
+    finally:
+        compiler.unwatch()  # when no session is left (the install failed)
+
+
+def _activate(config: CastConfig, native: bool | None) -> O1Patches:
     previous = PATCHES.active
-    deactivate()
+    _deactivate()
     patches = O1Patches(config, native)
     try:
         patches.install(resolve())
@@ -273,6 +281,14 @@ def activate(config: CastConfig, native: bool | None = None) -> O1Patches:
 
 def deactivate() -> None:
     """Remove the O1 patches, if any, restoring torch's original objects."""
+    try:
+        with compiler.changing_patches():
+            _deactivate()
+    finally:
+        compiler.unwatch()
+
+
+def _deactivate() -> None:
     if PATCHES.active is not None:
         patches, PATCHES.active = PATCHES.active, None
         try:
@@ -325,8 +341,9 @@ class Registration:
         key = (id(owner), name)
         if PATCHES.user.get(key) is not self._record:
             return
-        if PATCHES.active is not None:
-            PATCHES.active.unregister(owner, name)
+        with compiler.changing_patches():
+            if PATCHES.active is not None:
+                PATCHES.active.unregister(owner, name)
         del PATCHES.user[key]
 
 
@@ -350,8 +367,9 @@ def _register(api: str, module: Any, name: str, policy: CastRule) -> Registratio
     finally:
         probe.restore()
     record = (module, name, policy)
-    if PATCHES.active is not None:
-        PATCHES.active.register(module, name, policy)
+    with compiler.changing_patches():
+        if PATCHES.active is not None:
+            PATCHES.active.register(module, name, policy)
     PATCHES.user[(id(module), name)] = record
     return Registration(record)
 

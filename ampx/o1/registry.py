@@ -5,8 +5,10 @@ Beside the session registry (`ampx.registry`), this is the only process-wide sta
 - `active`: the installed `O1Patches`, or None (written by `ampx.o1.patch.activate/deactivate`);
 - `user`: the `register_*_function` registrations, kept across sessions;
 - `compiler_ready`, `rule_map`, `cache_flags`: what a session did to torch's compiler
-  (`ampx.o1.compiler`): the pre-imports done, dynamo's rule map built before the patches, and
-  the AOTAutograd cache flags held off during a session;
+  (`ampx.o1.compiler`), once something imported it: `disable_casts`'s frames kept from
+  dynamo, dynamo's rule map built from the originals, and the AOTAutograd cache flags held off
+  during a session (the import hook, `ampx.o1.pristine`, is on `sys.meta_path` exactly while
+  a session is installed);
 - `native_class`: the native cast wrapper's Python subclass, once looked up (`[None]`: no
   extension, or the closures forced; `ampx.o1.wrappers.native_class`).
 
