@@ -3,8 +3,10 @@
 A patched function must behave like the function it replaces wherever torch or the standard
 library looks at it rather than calls it:
 
-- pickle and deepcopy: a wrapper pickles by reference, as the original does (`reduce_like`),
-  and deepcopy returns it itself (functions are atomic for `copy`).
+- pickle and deepcopy: a wrapper pickles by reference, as a function does, under the name
+  it is installed at (`name_as_installed`; the native wrapper's `reduce_like` falls back to
+  the original's own reduction once the session is gone), and copy/deepcopy return it
+  itself (functions are atomic for `copy`; wrappers.py gives the native type those methods).
 - `torch.jit.script`: the native wrapper is a callable object, which TorchScript calls
   back in Python (a `prim::PythonOp`), so the casts apply at run time; a closure can be
   neither compiled nor called back, so it refuses with a clear error (`mark_scriptable`).
@@ -24,8 +26,8 @@ from typing import Any, Callable
 import torch
 from torch.fx import _symbolic_trace as fx_state
 
-__all__ = ["call_patched", "fx_record", "fx_state", "installed_name", "make_copyable",
-           "mark_scriptable", "name_as_installed", "reduce_like"]
+__all__ = ["call_patched", "fx_record", "fx_state", "installed_name", "mark_scriptable",
+           "name_as_installed", "reduce_like"]
 
 
 # -- pickle and deepcopy ----------------------------------------------------------------------
@@ -92,18 +94,6 @@ def reduce_like(original: Callable[..., Any], wrapper: Any, protocol: int) -> An
     raise pickle.PicklingError(
         f"ampx: cannot pickle the O1 wrapper of {own_module}.{own_name}: neither "
         f"{module}.{qualname} nor {own_module}.{own_name} holds it or its original")
-
-
-def _deepcopy_self(self: Any, memo: dict) -> Any:
-    return self
-
-
-def make_copyable(cls: type) -> None:
-    """Give the native wrapper type pickle-by-reference and atomic copy/deepcopy."""
-    cls.__reduce_ex__ = lambda self, protocol: reduce_like(  # type: ignore[method-assign]
-        self._ampx_original, self, protocol)
-    cls.__copy__ = lambda self: self  # type: ignore[attr-defined]
-    cls.__deepcopy__ = _deepcopy_self  # type: ignore[attr-defined]
 
 
 # -- TorchScript ------------------------------------------------------------------------------

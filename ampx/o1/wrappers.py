@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, SupportsIndex
 
 import torch
 
 from ..options.values import HALF_DTYPES
 from .casters import Caster, Converter, TensorCast
 from .casting import map_tensors
-from .interop import fx_record, fx_state, make_copyable, mark_scriptable, name_as_installed
+from .interop import fx_record, fx_state, mark_scriptable, name_as_installed, reduce_like
 from .lists import CastRule
 from .regions import _CASTS_DISABLED, LOCAL, eager_depth_when_compiling, in_compiled_region
 from .registry import PATCHES
@@ -212,7 +212,16 @@ def _build_native_class() -> type | None:
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             return self._ampx_python(*args, **kwargs)
 
-    make_copyable(NativeCastWrapper)
+        # A function to pickle and copy: by reference, and itself (interop.py).
+        def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+            return reduce_like(self._ampx_original, self, int(protocol))
+
+        def __copy__(self) -> Any:
+            return self
+
+        def __deepcopy__(self, memo: dict) -> Any:
+            return self
+
     module._seal_cast_wrapper(NativeCastWrapper)
     return NativeCastWrapper
 

@@ -5,6 +5,7 @@ parity tests install them) in fp16 and bf16 (issue 33, items 1, 3, 6 and 7).
 """
 
 import copy
+import io
 import pickle
 import sys
 from collections.abc import Callable, Iterator
@@ -160,6 +161,8 @@ def test_jit_trace_records_the_casts_and_skips_the_weight_cache(o1: O1Patches,
     hits = o1.cache.hits
     linear(x)
     assert o1.cache.hits == hits + 2  # the cache still serves eager calls
+    patch.deactivate()
+    assert torch.equal(traced(x), eager)  # its casts are part of its graph
 
 
 def _functional() -> nn.Module:
@@ -187,6 +190,10 @@ def test_jit_script(o1: O1Patches, half_dtype: torch.dtype) -> None:
         return
     scripted = torch.jit.script(model)  # F.linear is called back in Python: O1 casts it
     assert scripted(x).dtype == half_dtype and torch.equal(scripted(x), model(x))
+    with pytest.raises(RuntimeError, match="Python"):
+        torch.jit.save(scripted, io.BytesIO())
+    patch.deactivate()
+    assert scripted(x).dtype == torch.float32 and torch.equal(scripted(x), model(x))
 
 
 # -- 3. torch.fx -------------------------------------------------------------------------------
@@ -198,7 +205,7 @@ class _Mixed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.matmul(self.proj(x), self.proj.weight)
-        y = F.linear(h, self.proj.weight) + F.gelu(x)
+        y = F.linear(h, self.proj.weight) + F.gelu(x) + x.matmul(self.proj.weight)
         return torch.cat([torch.softmax(y, -1), y.float()], dim=0)
 
 
