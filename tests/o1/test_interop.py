@@ -196,6 +196,17 @@ def test_jit_script(o1: O1Patches, half_dtype: torch.dtype) -> None:
     assert scripted(x).dtype == torch.float32 and torch.equal(scripted(x), model(x))
 
 
+def test_jit_script_outside_o1_saves(native: bool) -> None:
+    """The way out the closures' error names: scripted before the session, it saves."""
+    scripted = torch.jit.script(_functional())
+    patch.activate(patch.CastConfig(dtype=torch.bfloat16, device_types=_CPU), native=native)
+    try:
+        torch.jit.save(scripted, io.BytesIO())
+        assert scripted(torch.randn(2, 4)).dtype == torch.float32  # no casts in its graph
+    finally:
+        patch.deactivate()
+
+
 # -- 3. torch.fx -------------------------------------------------------------------------------
 
 class _Mixed(nn.Module):
