@@ -5,9 +5,10 @@
 // session's half dtype and device types, the session object (whose `live` it reads) and the
 // Python closure of ampx/o1/wrappers.py, which is the reference: every call the native code
 // cannot handle exactly as the closure would (while compiling, under a TorchFunctionMode, a
-// tensor or container subclass among the arguments, an error to raise, the RNN input check)
-// is handed to that closure unchanged, so results are always the closure's. The entry here
-// makes the closure's checks in its order (session.live, compiling, the casts-disabled
+// tensor or container subclass or an fx Proxy among the arguments, an error to raise, the RNN
+// input check) is handed to that closure unchanged, so results are always the closure's. The
+// entry here makes the closure's checks in its order (an explicit `out=`, which runs the
+// original as written; session.live, compiling, the casts-disabled
 // ContextVar that ampx/o1/regions.py sets, read with PyContextVar_Get and truth-tested like
 // the closure does, a TorchFunctionMode), then hands the call to apply_rule in
 // cast_rules.cpp, which walks the arguments and casts them.
