@@ -16,6 +16,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 
 #include "cast_wrapper.h"
 
@@ -53,11 +54,15 @@ struct Cast {
   unsigned froms;
 };
 
-bool transforms_active() {
+// The weight cache is off: inside a torch.func transform (ampx.o1.casting.cacheable), or
+// while torch.jit.trace records (a cast made outside the trace would be baked in as a
+// constant that requires grad; autocast's cache_enabled=False, automatically).
+bool cache_off() {
   // torch._C._are_functorch_transforms_active()
   auto included = c10::impl::tls_local_dispatch_key_set().included_;
   return included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) ||
-         included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode);
+         included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode) ||
+         torch::jit::tracer::isTracing();
 }
 
 // 1 eligible, 0 not, -1 error (the device test of ampx.o1.casters._device_predicate).
@@ -283,7 +288,7 @@ PyObject* cast_tensor(CastWrapper* self, PyObject* o, const Cast& cast) {
   const at::Tensor& t = THPVariable_Unpack(o);
   if (cast.half) {
     const bool param = Py_TYPE(o) == G.parameter;
-    if (param && !transforms_active()) {
+    if (param && !cache_off()) {
       return cached_cast(self, o, t);
     }
     const at::ScalarType st = t.scalar_type();
@@ -299,7 +304,7 @@ PyObject* cast_tensor(CastWrapper* self, PyObject* o, const Cast& cast) {
       Py_INCREF(o);
       return o;
     }
-    if ((param || (t.requires_grad() && t.is_leaf())) && !transforms_active()) {
+    if ((param || (t.requires_grad() && t.is_leaf())) && !cache_off()) {
       return cached_cast(self, o, t);
     }
     return to_dtype(t, self->half);

@@ -5,9 +5,10 @@
 // session's half dtype and device types, the session object (whose `live` it reads) and the
 // Python closure of ampx/o1/wrappers.py, which is the reference: every call the native code
 // cannot handle exactly as the closure would (while compiling, under a TorchFunctionMode, a
-// tensor or container subclass among the arguments, an error to raise, the RNN input check)
-// is handed to that closure unchanged, so results are always the closure's. The entry here
-// makes the closure's checks in its order (session.live, compiling, the casts-disabled
+// tensor or container subclass or an fx Proxy among the arguments, an error to raise, the RNN
+// input check) is handed to that closure unchanged, so results are always the closure's. The
+// entry here makes the closure's checks in its order (an explicit `out=`, which runs the
+// original as written; session.live, compiling, the casts-disabled
 // ContextVar that ampx/o1/regions.py sets, read with PyContextVar_Get and truth-tested like
 // the closure does, a TorchFunctionMode), then hands the call to apply_rule in
 // cast_rules.cpp, which walks the arguments and casts them.
@@ -37,8 +38,26 @@ int truth(PyObject* v) {
   return v == Py_False ? 0 : v == Py_True ? 1 : PyObject_IsTrue(v);
 }
 
+// An explicit `out=` tensor (not None) among the keywords: the call runs as written, as
+// under torch.autocast. Only calls with keywords pay for the test.
+bool explicit_out(PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  const Py_ssize_t n = PyTuple_GET_SIZE(kwnames);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* name = PyTuple_GET_ITEM(kwnames, i);
+    if ((name == G.str_out || PyUnicode_Compare(name, G.str_out) == 0) &&
+        args[nargs + i] != Py_None) {
+      return true;
+    }
+  }
+  return false;
+}
+
 PyObject* cw_vectorcall(PyObject* op, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   auto* self = reinterpret_cast<CastWrapper*>(op);
+  if (kwnames != nullptr && explicit_out(args, nargsf, kwnames)) {
+    return call_original(self, args, nargsf, kwnames);
+  }
   // The closure's order: session.live, then compiling(), then disabled().
   PyObject* live = PyObject_GetAttr(self->session, G.str_live);
   if (live == nullptr) {
@@ -189,11 +208,11 @@ PyTypeObject CastWrapperType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 PyObject* setup(PyObject* /*module*/, PyObject* args) {
   PyObject *tensor, *parameter, *size, *device, *layout, *memory_format, *compiler_dict,
-      *disabled;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O:_cast_wrapper_setup", &PyType_Type, &tensor,
+      *disabled, *odd;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!OO!:_cast_wrapper_setup", &PyType_Type, &tensor,
                         &PyType_Type, &parameter, &PyType_Type, &size, &PyType_Type, &device,
                         &PyType_Type, &layout, &PyType_Type, &memory_format, &PyDict_Type,
-                        &compiler_dict, &disabled)) {
+                        &compiler_dict, &disabled, &PyTuple_Type, &odd)) {
     return nullptr;
   }
   if (!PyContextVar_CheckExact(disabled)) {
@@ -215,10 +234,14 @@ PyObject* setup(PyObject* /*module*/, PyObject* args) {
   G.compiler_dict = compiler_dict;
   G.disabled = disabled;
   if (G.containers == nullptr) {
-    G.containers = PyTuple_Pack(3, &PyList_Type, &PyTuple_Type, &PyDict_Type);
+    // Containers, then the types only the closure handles (fx's Proxy): both go there.
+    PyObject* builtin = PyTuple_Pack(3, &PyList_Type, &PyTuple_Type, &PyDict_Type);
+    G.containers = builtin == nullptr ? nullptr : PySequence_Concat(builtin, odd);
+    Py_XDECREF(builtin);
     G.str_live = PyUnicode_InternFromString("live");
     G.str_flag = PyUnicode_InternFromString("_is_compiling_flag");
-    if (!G.containers || !G.str_live || !G.str_flag) {
+    G.str_out = PyUnicode_InternFromString("out");
+    if (!G.containers || !G.str_live || !G.str_flag || !G.str_out) {
       return nullptr;
     }
   }
@@ -246,7 +269,8 @@ PyObject* seal(PyObject* /*module*/, PyObject* arg) {
 PyMethodDef functions[] = {
     {"_cast_wrapper_setup", setup, METH_VARARGS,
      "_cast_wrapper_setup(Tensor, Parameter, Size, device, layout, memory_format, "
-     "vars(torch.compiler), casts_disabled_var): the types and flags CastWrapper reads."},
+     "vars(torch.compiler), casts_disabled_var, closure_types): the types and flags "
+     "CastWrapper reads."},
     {"_seal_cast_wrapper", seal, METH_O,
      "_seal_cast_wrapper(cls): give a Python subclass of CastWrapper the C call slot."},
     {nullptr, nullptr, 0, nullptr},

@@ -30,11 +30,12 @@ struct Globals {
   PyTypeObject* tensor = nullptr;
   PyTypeObject* parameter = nullptr;
   PyTypeObject* plain[5] = {};  // torch.Size, device, layout, memory_format, dtype
-  PyObject* containers = nullptr;  // (list, tuple, dict)
+  PyObject* containers = nullptr;  // (list, tuple, dict, *closure_types): isinstance -> closure
   PyObject* compiler_dict = nullptr;  // vars(torch.compiler)
   PyObject* disabled = nullptr;  // ampx.o1.regions._CASTS_DISABLED
   PyObject* str_live = nullptr;
   PyObject* str_flag = nullptr;
+  PyObject* str_out = nullptr;
 };
 extern Globals G;  // defined in cast_wrapper.cpp
 

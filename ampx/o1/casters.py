@@ -173,11 +173,13 @@ class Caster:
 
             return to_half_logged
         transforms_active = torch._C._are_functorch_transforms_active
+        tracing = torch._C._get_tracing_state
 
         def to_half(t: torch.Tensor) -> torch.Tensor:
             # Weights first: a cached cast is served before any dtype or device test (the
-            # cache checks those on a miss). Outside torch.func, as `cacheable` requires.
-            if type(t) is _Parameter and not transforms_active():
+            # cache checks those on a miss). Outside torch.func and torch.jit.trace, as
+            # `cacheable` requires.
+            if type(t) is _Parameter and not transforms_active() and tracing() is None:
                 return cached(t)
             if t.dtype not in lower_from or not eligible(t):
                 return t

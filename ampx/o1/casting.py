@@ -120,11 +120,14 @@ def cacheable(t: torch.Tensor) -> bool:
     Only exact `Parameter`s and exact-`Tensor` leaves that require grad, and only while no
     torch.func transform is active: the exact-type test refuses FakeTensor, FunctionalTensor
     and every other subclass (their storage must not be touched), and functorch's wrappers
-    (which report `torch.Tensor`) are refused by the transforms check.
+    (which report `torch.Tensor`) are refused by the transforms check. Nor while
+    `torch.jit.trace` records: a cast made outside the trace would enter it as a constant
+    that requires grad, which the tracer refuses (autocast's `cache_enabled=False`).
     """
     cls = type(t)
     if cls is _Parameter or (cls is _Tensor and t.requires_grad and t.is_leaf):
-        return not torch._C._are_functorch_transforms_active()
+        return (not torch._C._are_functorch_transforms_active()
+                and torch._C._get_tracing_state() is None)
     return False
 
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, SupportsIndex
 
 import torch
 
 from ..options.values import HALF_DTYPES
 from .casters import Caster, Converter, TensorCast
 from .casting import map_tensors
+from .interop import fx_record, fx_state, mark_scriptable, name_as_installed, reduce_like
 from .lists import CastRule
 from .regions import _CASTS_DISABLED, LOCAL, eager_depth_when_compiling, in_compiled_region
 from .registry import PATCHES
@@ -76,10 +77,13 @@ def make_wrapper(original: Callable[..., Any], policy: CastRule, name: str, cast
             cast = caster.dtype_cast(torch.float32, HALF_DTYPES, name)
         else:
             cast = caster.half_cast(name)
-        wrapper = _map_wrapper(original, session, cast, compiled)
+        wrapper = _map_wrapper(original, session, cast, compiled, name)
     else:
-        wrapper = _convert_wrapper(original, session, caster.converter(policy, name), compiled)
+        wrapper = _convert_wrapper(original, session, caster.converter(policy, name), compiled,
+                                   name)
     wrapper.__ampx_policy__ = policy  # type: ignore[attr-defined]
+    name_as_installed(wrapper, name)
+    mark_scriptable(wrapper, original)
     return wrapper
 
 
@@ -90,21 +94,29 @@ def _wraps(original: Callable[..., Any]) -> Callable[[Callable[..., Any]], Calla
 
 
 def _map_wrapper(original: Callable[..., Any], session: Live, cast: TensorCast,
-                 compiled: Converter) -> Callable[..., Any]:
-    """The hot path (F.linear, matmul, softmax...): no tuple is rebuilt when nothing changes."""
+                 compiled: Converter, label: str) -> Callable[..., Any]:
+    """The hot path (F.linear, matmul, softmax...): no tuple is rebuilt when nothing changes.
+
+    A call with an explicit `out=` tensor runs as written (as under torch.autocast); under
+    `torch.fx.symbolic_trace` a call on Proxies is recorded as the patched name (interop.py).
+    """
     disabled = _CASTS_DISABLED.get
     compiling = torch.compiler.is_compiling
     eager = _eager_map(cast)
 
     @_wraps(original)
     def ampx_cast(*args: Any, **kwargs: Any) -> Any:
-        if session.live:
+        if session.live and not (kwargs and kwargs.get("out") is not None):
             if compiling():
                 if _applies_when_compiling():
                     converted = compiled(args, kwargs)
                     if converted is not None:
                         return original(*converted[0], **converted[1])
             elif not disabled():
+                if fx_state._is_fx_tracing_flag:
+                    traced = fx_record(label, args, kwargs)
+                    if traced is not None:
+                        return traced
                 converted = eager(args, kwargs)
                 if converted is not None:
                     return original(*converted[0], **converted[1])
@@ -142,17 +154,24 @@ def _eager_map(cast: TensorCast) -> Converter:
 
 
 def _convert_wrapper(original: Callable[..., Any], session: Live, eager: Converter,
-                     compiled: Converter) -> Callable[..., Any]:
+                     compiled: Converter, label: str) -> Callable[..., Any]:
+    """The other rules; `out=` and fx as in `_map_wrapper`."""
     disabled = _CASTS_DISABLED.get
     compiling = torch.compiler.is_compiling
 
     @_wraps(original)
     def ampx_cast(*args: Any, **kwargs: Any) -> Any:
-        if session.live:
+        if session.live and not (kwargs and kwargs.get("out") is not None):
             if compiling():
                 converted = (compiled(args, kwargs) if _applies_when_compiling() else None)
+            elif disabled():
+                converted = None
             else:
-                converted = None if disabled() else eager(args, kwargs)
+                if fx_state._is_fx_tracing_flag:
+                    traced = fx_record(label, args, kwargs)
+                    if traced is not None:
+                        return traced
+                converted = eager(args, kwargs)
             if converted is not None:
                 return original(*converted[0], **converted[1])
         return original(*args, **kwargs)
@@ -181,9 +200,10 @@ def _build_native_class() -> type | None:
     base = getattr(module, "CastWrapper", None)
     if module is None or base is None:
         return None
+    # fx Proxies go to the closure, which records them (interop.fx_record).
     module._cast_wrapper_setup(torch.Tensor, torch.nn.Parameter, torch.Size, torch.device,
                                torch.layout, torch.memory_format, vars(torch.compiler),
-                               _CASTS_DISABLED)
+                               _CASTS_DISABLED, (torch.fx.Proxy,))
 
     class NativeCastWrapper(base):  # type: ignore[misc, valid-type]
         """O1's native cast wrapper. Eager calls run the C call slot; dynamo inlines this
@@ -191,6 +211,16 @@ def _build_native_class() -> type | None:
 
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             return self._ampx_python(*args, **kwargs)
+
+        # A function to pickle and copy: by reference, and itself (interop.py).
+        def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+            return reduce_like(self._ampx_original, self, int(protocol))
+
+        def __copy__(self) -> Any:
+            return self
+
+        def __deepcopy__(self, memo: dict) -> Any:
+            return self
 
     module._seal_cast_wrapper(NativeCastWrapper)
     return NativeCastWrapper
@@ -214,6 +244,7 @@ def make_native(python: Callable[..., Any], original: Callable[..., Any], policy
                  frozenset(config.device_types), config.allow_banned, caster.cache.counters(),
                  table, cached)
     functools.update_wrapper(native, original)
+    native.__module__, native.__qualname__ = python.__module__, python.__qualname__
     native._ampx_python = python
     native.__ampx_policy__ = policy
     return native
