@@ -207,14 +207,8 @@ class LossScaler:
         of `update_`, used by the scaled-backward protocol).
         """
         found = found_inf if found_inf.device == self.device else found_inf.to(self.device)
-        if self.dynamic:
-            rule = (self.growth_factor, self.backoff_factor, self.growth_interval,
-                    self.hysteresis, self.floor, self.max_loss_scale)
-        else:
-            rule = (1.0, 1.0, _STATIC_INTERVAL, 1, 0.0, math.inf)
-        fused = _ext.next_scale_state(
-            (self._scale, self._growth_tracker, self._hysteresis_tracker,
-             self._overflows_since_report, self._scale_before_overflow), found, rule)
+        rule = self.rule
+        fused = _ext.next_scale_state(self.tensors(), found, rule)
         if fused is not None:  # the same five ops as below, in one native call
             return dict(zip(_TENSORS, fused))
         # the three the kernel updates in place are cloned; the other two are computed anew
@@ -226,6 +220,21 @@ class LossScaler:
         _ext.update_scale_(new["_scale"], new["_growth_tracker"], new["_hysteresis_tracker"],
                            found, *rule)
         return new
+
+    @property
+    def rule(self) -> tuple[float, float, int, int, float, float]:
+        """(growth, backoff, interval, hysteresis, floor, ceiling) of the update rule; a
+        static scaler's never changes the scale."""
+        if self.dynamic:
+            return (float(self.growth_factor), float(self.backoff_factor),
+                    int(self.growth_interval), int(self.hysteresis), float(self.floor),
+                    float(self.max_loss_scale))
+        return (1.0, 1.0, _STATIC_INTERVAL, 1, 0.0, math.inf)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The five state tensors, in `next_state`'s order (read-only)."""
+        return (self._scale, self._growth_tracker, self._hysteresis_tracker,
+                self._overflows_since_report, self._scale_before_overflow)
 
     def commit(self, journal: Journal, new: Mapping[str, torch.Tensor]) -> None:
         """Install a state made by `next_state` (or a checkpoint load) through `journal`.
