@@ -274,13 +274,6 @@ class Amp:
             )
         return state
 
-    def found_inf_sync(self) -> Any:
-        """`synchronize_found_inf` when the overflow flag must be agreed across ranks, else
-        None (one rank: a scaled pass then computes the scaler's next state in its call)."""
-        if self.sync_overflow and distributed.is_multi_rank(self.process_group):
-            return self.synchronize_found_inf
-        return None
-
     def synchronize_found_inf(self, found_inf: torch.Tensor) -> None:
         """All-reduce an overflow flag across ranks (MAX) when running distributed."""
         if self.sync_overflow and distributed.is_multi_rank(self.process_group):

@@ -202,7 +202,7 @@ class _Session(Protocol):
 
     def _state_of(self, optimizer: Any) -> OptimizerAmpState: ...
 
-    def found_inf_sync(self) -> Callable[[torch.Tensor], None] | None: ...
+    def synchronize_found_inf(self, found_inf: torch.Tensor) -> None: ...
 
 
 class ScaleLossBlock:
@@ -254,7 +254,7 @@ class ScaleLossBlock:
             return loss.float()
         frame = sys._getframe(1)  # the `with` statement's frame, at its entry
         opening = Opening(threading.get_ident(), frame, frame.f_lasti)
-        scaled = self._pass = ScaledPass(opts, states, scaler, amp.found_inf_sync())
+        scaled = self._pass = ScaledPass(opts, states, scaler, amp.synchronize_found_inf)
         self._mode = "scaled"
         try:
             scaled.begin(opening)

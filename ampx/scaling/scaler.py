@@ -44,6 +44,8 @@ _LOG_FIRST = 3  # overflow messages always logged before rate limiting starts
 # there, steps look clean, and growing back takes ~250k steps. At 1.0 gradients are plain fp16
 # values, training goes on, and the scale grows back by growth_factor per growth_interval.
 _DEFAULT_FLOOR = 1.0
+_float, _mul, _reshape = torch._C.TensorBase.float, torch._C.TensorBase.mul, \
+    torch._C.TensorBase.reshape
 _TENSORS = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_overflows_since_report",
             "_scale_before_overflow")
 
@@ -163,10 +165,13 @@ class LossScaler:
         `loss.float()` itself: the product would equal it value for value and gradient for
         gradient, at the cost of one more op per step.
         """
+        # torch's own tensor methods (`TensorBase`): under O1 `Tensor.__mul__` and `.float`
+        # are cast wrappers, and a float32 loss times a float32 scale needs no cast decision
+        loss = _float(loss)
         if self.unit_scale():
-            return loss.float()
+            return loss
         scale = self._scale if loss.device == self._scale.device else self._scale.to(loss.device)
-        return loss.float() * scale.reshape(())
+        return _mul(loss, _reshape(scale, ()))
 
     def inv_scale(self) -> torch.Tensor:
         """1 / scale as a float32 tensor of shape [1] (no sync); treat it as read-only.
