@@ -423,11 +423,14 @@ def update_scale_(
 
 def unscale_pass(sources: list[torch.Tensor], targets: list[torch.Tensor],
                  inv_scale: torch.Tensor, unit: bool, per_tensor: bool,
-                 found_inf: Optional[torch.Tensor] = None) -> Optional[tuple]:
+                 found_inf: Optional[torch.Tensor] = None, written: Optional[list] = None
+                 ) -> Optional[tuple]:
     """The clean unscale pass of `ampx.scaling.unscale` in one native call, or None.
 
     Clean: every gradient in `sources[i].grad` is a contiguous plain tensor on `inv_scale`'s
-    device and every master target has no gradient yet. Nothing is assigned to `.grad`.
+    device and every master target has no gradient yet. Without `written` nothing is
+    assigned to `.grad`; with it (a list) the pass commits its gradients itself, appending
+    the masters it gave a gradient to `written`.
 
     Returns:
         None (nothing was written), or (found_inf, flags or None, assign, results, clear,
@@ -436,8 +439,8 @@ def unscale_pass(sources: list[torch.Tensor], targets: list[torch.Tensor],
     native = _impl(inv_scale.device)
     if native is _reference:
         return None
-    return native.unscale_pass(sources, targets, inv_scale, unit, per_tensor,
-                               found_inf)
+    return native.unscale_pass(sources, targets, inv_scale, unit, per_tensor, found_inf,
+                               written)
 
 
 def with_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -4,8 +4,9 @@ The session wires the pieces together and holds no algorithm: options come from
 `ampx.options.levels`, `initialize`'s transaction from `ampx.initializer` (functions given
 everything they use), O1's patching from `ampx.o1.patch`, scaling from
 `ampx.scaling.scaler`, the scaled-backward protocol from `ampx.scaling.protocol` and
-`ampx.scaling.scaled_pass`, checkpoints from `ampx.scaling.checkpoint`. The module-level
-functions on a default session are in `ampx.frontend`.
+`ampx.scaling.scaled_pass` (the `scale_loss` block), checkpoints from
+`ampx.scaling.checkpoint`. The module-level functions on a default session are in
+`ampx.frontend`.
 
 The session offers one hook to what is layered above it: `add_extension` registers an
 `OptimizerExtension`, which every session then adds to the optimizers it initializes, inside
@@ -34,7 +35,7 @@ from .registry import SESSIONS, OptimizerExtension
 from .scaling import checkpoint
 from .scaling.masters import optimizer_params
 from .scaling.protocol import OptimizerAmpState, SessionHooks, amp_state_of, unwrap
-from .scaling.scaled_pass import ScaledPass
+from .scaling.scaled_pass import ScaleLossBlock
 from .scaling.scaler import LossScaler
 
 __all__ = ["Amp", "add_extension"]
@@ -410,94 +411,6 @@ class Amp:
         """Take the forward overflow detector's hooks off this session's models (if any)."""
         if self.overflow_watch is not None:
             self.overflow_watch.remove_detector()
-
-
-class ScaleLossBlock:
-    """The `with amp.scale_loss(...)` block (a class, not a generator: it runs every step).
-
-    `__enter__` checks the arguments, moves every optimizer to SCALING (or none) and returns
-    the scaled loss; `__exit__` ends the pass (unscale, check, commit all at once) or, on an
-    exception in the block, aborts it: every optimizer is as before `__enter__`. One guard
-    covers begin to end: an interrupt right after `begin` returns, or at `end`'s entry, never
-    leaves an optimizer in SCALING (abort is idempotent, and a no-op once `end` committed).
-    """
-
-    __slots__ = ("_amp", "_loss", "_optimizers", "_loss_id", "_delay_unscale", "_check",
-                 "_pass", "_states", "_mode")
-
-    def __init__(self, amp: Amp, loss: torch.Tensor, optimizers: Any, loss_id: int,
-                 delay_unscale: bool, delay_overflow_check: bool) -> None:
-        self._amp = amp
-        self._loss = loss
-        self._optimizers = optimizers
-        self._loss_id = loss_id
-        self._delay_unscale = delay_unscale
-        self._check = not delay_overflow_check
-        self._pass: ScaledPass | None = None
-        self._states: list[OptimizerAmpState] = []
-        self._mode = ""  # "off" (disabled), "short" (apex's short-circuit) or "scaled"
-
-    def __enter__(self) -> torch.Tensor:
-        amp, loss, loss_id = self._amp, self._loss, self._loss_id
-        if not amp.properties.enabled:
-            self._mode = "off"
-            return loss
-        opts = [unwrap(opt) for opt in _optimizer_list(self._optimizers)]  # Lightning's, ...
-        states = [amp._state_of(opt) for opt in opts]
-        if not 0 <= loss_id < len(amp.scalers):
-            raise IndexError(
-                f"ampx.scale_loss: loss_id={loss_id} but num_losses={len(amp.scalers)}; pass "
-                "num_losses=N to initialize to get N loss scalers."
-            )
-        scaler = amp.scalers[loss_id]
-        if not amp.scales_gradients and scaler.unit_scale():
-            # apex's short-circuit (O0, O3 with fp16) while the static scale is 1.0; a scale
-            # written since (`_loss_scale = 4.0`, apex's L0 tests) scales and unscales
-            self._mode, self._states = "short", states
-            return loss.float()
-        scaled = self._pass = ScaledPass(opts, states, scaler, amp.synchronize_found_inf)
-        self._mode = "scaled"
-        try:
-            scaled.begin()
-            value = scaler.scale_loss_value(loss)
-            # The forward is done: backward holds the casts it needs (saved tensors) and
-            # frees each as it goes; the cache holding them too kept every half weight copy
-            # alive through backward and the unscale (O1's memory excess over autocast).
-            _drop_weight_casts()
-            return value
-        except BaseException:
-            scaled.abort()
-            patch.clear_cache()
-            raise
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        mode = self._mode
-        if mode == "off":
-            return
-        try:
-            if mode == "short":
-                if exc_type is None:
-                    for state in self._states:
-                        state.last_loss = self._loss.detach()
-                return
-            scaled = self._pass
-            assert scaled is not None  # set by __enter__
-            if exc_type is not None:
-                scaled.abort()
-                return
-            try:
-                scaled.end(self._loss.detach(), loss_id=self._loss_id,
-                           delay_unscale=self._delay_unscale, check=self._check)
-            except BaseException:
-                scaled.abort()
-                raise
-        finally:
-            patch.clear_cache()
-
-
-def _drop_weight_casts() -> None:
-    """`scale_loss` began (the forward is done): the weight-cast cache lets go."""
-    patch.clear_cache()
 
 
 def _optimizer_list(optimizers: Any) -> list[Any]:

@@ -14,7 +14,11 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdint>
+#include <optional>
 #include <limits>
 #include <vector>
 
@@ -78,8 +82,10 @@ struct Entry {
 };
 
 // Reads every source's gradient; false (nothing written) when the pass is not clean.
+// `fresh_masters`: every target that is not its own source (an O2 master) must have no
+// gradient at all, so that the caller's undo of a committed pass is "masters back to None".
 bool collect(const py::list& sources, const py::list& targets, const at::Device& device,
-             std::vector<Entry>* out) {
+             bool fresh_masters, std::vector<Entry>* out) {
   const Py_ssize_t n = PyList_GET_SIZE(sources.ptr());
   if (PyList_GET_SIZE(targets.ptr()) != n) return false;
   out->reserve(static_cast<size_t>(n));
@@ -89,119 +95,16 @@ bool collect(const py::list& sources, const py::list& targets, const at::Device&
     const at::Tensor* param = tensor_of(src);
     const at::Tensor* target = tensor_of(dst);
     if (param == nullptr || target == nullptr) return false;
+    // a master must have no gradient of an earlier pass (that is an accumulation)
+    const bool master_has_grad = dst != src && target->grad().defined();
+    if (fresh_masters && master_has_grad) return false;
     at::Tensor g = param->grad();
     if (!g.defined()) continue;
-    if (!plain(g, device)) return false;
-    // a master must have no gradient of an earlier pass (that is an accumulation)
-    if (dst != src && target->grad().defined()) return false;
+    if (!plain(g, device) || master_has_grad) return false;
     out->push_back({py::reinterpret_borrow<py::object>(dst),
                     py::reinterpret_borrow<py::object>(src), std::move(g)});
   }
   return true;
-}
-
-// The clean pass (see the file comment). Returns None, or
-// (found_inf, flags or None, assign, results, clear, flag_params):
-//   assign/results: the (target, source grad, None) entries that get a fresh buffer, and
-//   those buffers (entries checked in place already are their own new gradient);
-//   clear: sources whose gradient went into another tensor (the half model params);
-//   flag_params: the targets in the order of `flags` (fresh ones, then in-place ones).
-py::object unscale_pass(const py::list& sources, const py::list& targets,
-                        const at::Tensor& inv_scale, bool unit, bool per_tensor,
-                        const std::optional<at::Tensor>& found_in) {
-  if (inv_scale.scalar_type() != at::ScalarType::Float || inv_scale.numel() != 1 ||
-      !inv_scale.is_contiguous())
-    return py::none();
-  const at::Device device = inv_scale.device();
-#ifndef AMPX_WITH_CUDA
-  if (!device.is_cpu()) return py::none();
-#endif
-  if (found_in.has_value()) {
-    const at::Tensor& f = *found_in;
-    if (f.scalar_type() != at::ScalarType::Float || f.numel() != 1 || f.device() != device ||
-        !f.is_contiguous())
-      return py::none();
-  }
-  std::vector<Entry> entries;
-  if (!collect(sources, targets, device, &entries)) return py::none();
-
-  // Sort as the general path does: fresh buffers first, then the in-place checks.
-  std::vector<const Entry*> fresh, in_place;
-  TensorList fresh_src, fresh_dst, in_place_grads;
-  for (const Entry& e : entries) {
-    const at::Tensor& target = THPVariable_Unpack(e.target.ptr());
-    if (unit && e.grad.scalar_type() == target.scalar_type()) {
-      in_place.push_back(&e);
-      in_place_grads.push_back(e.grad);
-      continue;
-    }
-    // the general path's `_fresh`: the target's layout when the dtype changes at one shape
-    const at::Tensor& like = (target.scalar_type() != e.grad.scalar_type() &&
-                              target.sizes() == e.grad.sizes()) ? target : e.grad;
-    if (!kernel_dtype(target.scalar_type()) || like.numel() != e.grad.numel()) {
-      return py::none();
-    }
-    fresh.push_back(&e);
-    fresh_src.push_back(e.grad);
-    fresh_dst.push_back(at::empty_like(like, like.options().dtype(target.scalar_type())));
-    if (!fresh_dst.back().is_contiguous()) return py::none();  // staged by the general path
-  }
-
-  at::Tensor found = found_in.has_value()
-                         ? *found_in
-                         : at::zeros({1}, inv_scale.options().dtype(at::kFloat));
-  const auto total = static_cast<int64_t>(entries.size());
-  OptTensor flags;
-  if (per_tensor) flags = at::zeros({total}, inv_scale.options().dtype(at::kFloat));
-  const auto n_fresh = static_cast<int64_t>(fresh.size());
-  {
-    py::gil_scoped_release nogil;
-    if (n_fresh > 0) {
-      OptTensor part;
-      if (flags.has_value()) part = flags->narrow(0, 0, n_fresh);
-      run_unscale_into(fresh_src, fresh_dst, inv_scale, found, part);
-    }
-    if (!in_place.empty()) {
-      OptTensor part;
-      if (flags.has_value()) part = flags->narrow(0, n_fresh, total - n_fresh);
-      run_unscale(in_place_grads, inv_scale, found, part);
-    }
-  }
-
-  py::list assign, results, clear, flag_params;
-  for (size_t i = 0; i < fresh.size(); ++i) {
-    const Entry& e = *fresh[i];
-    assign.append(py::make_tuple(e.target, py::reinterpret_steal<py::object>(
-                                               THPVariable_Wrap(e.grad)), py::none()));
-    results.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(fresh_dst[i])));
-    flag_params.append(e.target);
-  }
-  for (const Entry* e : in_place) flag_params.append(e->target);
-  for (const Entry& e : entries) {
-    if (!e.target.is(e.source)) clear.append(e.source);
-  }
-  py::object flag_obj = flags.has_value()
-                            ? py::reinterpret_steal<py::object>(THPVariable_Wrap(*flags))
-                            : py::none();
-  return py::make_tuple(py::reinterpret_steal<py::object>(THPVariable_Wrap(found)),
-                        flag_obj, assign, results, clear, flag_params);
-}
-
-// The parameters of `params` that have a gradient (one call instead of a Python loop).
-py::list with_grads(const py::list& params) {
-  py::list out;
-  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* p = PyList_GET_ITEM(params.ptr(), i);
-    const at::Tensor* t = tensor_of(p);
-    if (t == nullptr) {  // not a tensor: ask Python, as a comprehension would
-      py::object grad = py::reinterpret_borrow<py::object>(p).attr("grad");
-      if (!grad.is_none()) out.append(py::reinterpret_borrow<py::object>(p));
-    } else if (t->grad().defined()) {
-      out.append(py::reinterpret_borrow<py::object>(p));
-    }
-  }
-  return out;
 }
 
 bool scalar_of(const at::Tensor& t, at::ScalarType dtype, const at::Device& device) {
@@ -209,23 +112,25 @@ bool scalar_of(const at::Tensor& t, at::ScalarType dtype, const at::Device& devi
          t.is_contiguous();
 }
 
-py::object next_scale_state(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                           const at::Tensor& hysteresis_tracker,
-                           const at::Tensor& overflows_since_report,
-                           const at::Tensor& scale_before_overflow,
-                           const at::Tensor& found_inf, double growth, double backoff,
-                           int64_t interval, int64_t hysteresis, double min_scale,
-                           double max_scale) {
+using State = std::array<at::Tensor, 5>;
+
+// LossScaler.next_state: five fresh tensors, or nothing when the inputs are not the plain
+// scalars the fused rule needs (the caller's general path raises the checked errors).
+std::optional<State> next_state(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                                const at::Tensor& hysteresis_tracker,
+                                const at::Tensor& overflows_since_report,
+                                const at::Tensor& scale_before_overflow,
+                                const at::Tensor& found_inf, const ScaleParams& p) {
   const at::Device d = scale.device();
   const auto f32 = at::ScalarType::Float;
   const auto i32 = at::ScalarType::Int;
   if (!scalar_of(scale, f32, d) || !scalar_of(growth_tracker, i32, d) ||
       !scalar_of(hysteresis_tracker, i32, d) || !scalar_of(overflows_since_report, f32, d) ||
       !scalar_of(scale_before_overflow, f32, d) || !scalar_of(found_inf, f32, d))
-    return py::none();  // the general path raises the checked errors
-  const ScaleParams p{static_cast<float>(growth),    static_cast<float>(backoff),
-                      interval,                      static_cast<int32_t>(hysteresis),
-                      static_cast<float>(min_scale), static_cast<float>(max_scale)};
+    return std::nullopt;
+#ifndef AMPX_WITH_CUDA
+  if (!d.is_cpu()) return std::nullopt;
+#endif
   at::Tensor s, g, h, since, before;
   if (d.is_cpu()) {  // five scalars: no kernel launch is worth its dispatch here
     s = at::empty_like(scale);
@@ -253,14 +158,155 @@ py::object next_scale_state(const at::Tensor& scale, const at::Tensor& growth_tr
     since = at::maximum(overflows_since_report, found_inf);
 #ifdef AMPX_WITH_CUDA
     update_scale_cuda(s, g, h, found_inf, p);
-#else
-    return py::none();
 #endif
   }
-  auto wrap = [](const at::Tensor& t) {
-    return py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
-  };
-  return py::make_tuple(wrap(s), wrap(g), wrap(h), wrap(since), wrap(before));
+  return State{s, g, h, since, before};
+}
+
+ScaleParams rule_of(double growth, double backoff, int64_t interval, int64_t hysteresis,
+                    double min_scale, double max_scale) {
+  return ScaleParams{static_cast<float>(growth),    static_cast<float>(backoff),
+                     interval,                      static_cast<int32_t>(hysteresis),
+                     static_cast<float>(min_scale), static_cast<float>(max_scale)};
+}
+
+py::object wrap(const at::Tensor& t) {
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
+}
+
+py::object next_scale_state(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                           const at::Tensor& hysteresis_tracker,
+                           const at::Tensor& overflows_since_report,
+                           const at::Tensor& scale_before_overflow,
+                           const at::Tensor& found_inf, double growth, double backoff,
+                           int64_t interval, int64_t hysteresis, double min_scale,
+                           double max_scale) {
+  auto state = next_state(scale, growth_tracker, hysteresis_tracker, overflows_since_report,
+                          scale_before_overflow, found_inf,
+                          rule_of(growth, backoff, interval, hysteresis, min_scale, max_scale));
+  if (!state) return py::none();
+  const State& n = *state;
+  return py::make_tuple(wrap(n[0]), wrap(n[1]), wrap(n[2]), wrap(n[3]), wrap(n[4]));
+}
+
+// The clean pass (see the file comment). Returns None, or
+// (found_inf, flags or None, assign, results, clear, flag_params):
+//   assign/results: the (target, source grad, None) entries that got a fresh buffer, and
+//   those buffers (entries checked in place already are their own new gradient);
+//   clear: sources whose gradient went into another tensor (the half model params);
+//   flag_params: the targets in the order of `flags` (fresh ones, then in-place ones).
+//
+// With `written` (a list: the committing pass of ampx.scaling.scaled_pass) the pass also
+// commits its gradients, all under the GIL (no Python runs in between, so no interrupt
+// lands half-way): each fresh buffer becomes its target's `.grad` (a parameter's own
+// gradient is this pass's, nobody else's: the caller drops it if the pass fails), a master
+// that got one is appended to `written` (the caller's undo: those go back to None), and the
+// half model gradients are released; assign, results and clear then come back empty. Every
+// master must be without a gradient then (else None: the general path).
+py::object unscale_pass(const py::list& sources, const py::list& targets,
+                        const at::Tensor& inv_scale, bool unit, bool per_tensor,
+                        const std::optional<at::Tensor>& found_in, const py::object& written) {
+  if (inv_scale.scalar_type() != at::ScalarType::Float || inv_scale.numel() != 1 ||
+      !inv_scale.is_contiguous())
+    return py::none();
+  const at::Device device = inv_scale.device();
+#ifndef AMPX_WITH_CUDA
+  if (!device.is_cpu()) return py::none();
+#endif
+  if (found_in.has_value()) {
+    const at::Tensor& f = *found_in;
+    if (f.scalar_type() != at::ScalarType::Float || f.numel() != 1 || f.device() != device ||
+        !f.is_contiguous())
+      return py::none();
+  }
+  const bool commit = !written.is_none();
+  if (commit && !PyList_Check(written.ptr())) return py::none();
+  std::vector<Entry> entries;
+  if (!collect(sources, targets, device, commit, &entries)) return py::none();
+
+  // Sort as the general path does: fresh buffers first, then the in-place checks.
+  std::vector<const Entry*> fresh, in_place;
+  TensorList fresh_src, fresh_dst, in_place_grads;
+  for (const Entry& e : entries) {
+    const at::Tensor& target = THPVariable_Unpack(e.target.ptr());
+    if (unit && e.grad.scalar_type() == target.scalar_type()) {
+      in_place.push_back(&e);
+      in_place_grads.push_back(e.grad);
+      continue;
+    }
+    // the general path's `_fresh`: the target's layout when the dtype changes at one shape
+    const at::Tensor& like = (target.scalar_type() != e.grad.scalar_type() &&
+                              target.sizes() == e.grad.sizes()) ? target : e.grad;
+    if (!kernel_dtype(target.scalar_type()) || like.numel() != e.grad.numel()) {
+      return py::none();
+    }
+    fresh.push_back(&e);
+    fresh_src.push_back(e.grad);
+    fresh_dst.push_back(at::empty_like(like, like.options().dtype(target.scalar_type())));
+    if (!fresh_dst.back().is_contiguous()) return py::none();  // staged by the general path
+  }
+  at::Tensor found = found_in.has_value()
+                         ? *found_in
+                         : at::zeros({1}, inv_scale.options().dtype(at::kFloat));
+  const auto total = static_cast<int64_t>(entries.size());
+  OptTensor flags;
+  if (per_tensor) flags = at::zeros({total}, inv_scale.options().dtype(at::kFloat));
+  const auto n_fresh = static_cast<int64_t>(fresh.size());
+  {
+    py::gil_scoped_release nogil;
+    if (n_fresh > 0) {
+      OptTensor part;
+      if (flags.has_value()) part = flags->narrow(0, 0, n_fresh);
+      run_unscale_into(fresh_src, fresh_dst, inv_scale, found, part);
+    }
+    if (!in_place.empty()) {
+      OptTensor part;
+      if (flags.has_value()) part = flags->narrow(0, n_fresh, total - n_fresh);
+      run_unscale(in_place_grads, inv_scale, found, part);
+    }
+  }
+  py::list assign, results, clear, flag_params;
+  if (commit) {  // no Python runs from here to the return: all of it, or (before) none
+    py::list out = py::reinterpret_borrow<py::list>(written);
+    for (size_t i = 0; i < fresh.size(); ++i) {
+      const Entry& e = *fresh[i];
+      THPVariable_Unpack(e.target.ptr()).mutable_grad() = fresh_dst[i];
+      if (!e.target.is(e.source)) out.append(e.target);
+    }
+    for (const Entry& e : entries) {
+      if (!e.target.is(e.source)) THPVariable_Unpack(e.source.ptr()).mutable_grad().reset();
+    }
+  } else {
+    for (size_t i = 0; i < fresh.size(); ++i) {
+      const Entry& e = *fresh[i];
+      assign.append(py::make_tuple(e.target, wrap(e.grad), py::none()));
+      results.append(wrap(fresh_dst[i]));
+    }
+    for (const Entry& e : entries) {
+      if (!e.target.is(e.source)) clear.append(e.source);
+    }
+  }
+  for (const Entry* e : fresh) flag_params.append(e->target);
+  for (const Entry* e : in_place) flag_params.append(e->target);
+  py::object flag_obj = flags.has_value() ? wrap(*flags) : py::none();
+  return py::make_tuple(wrap(found), flag_obj, assign, results, clear, flag_params);
+}
+
+// The parameters of `params` that have a gradient (one call instead of a Python loop).
+py::list with_grads(const py::list& params) {
+  py::list out;
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* p = PyList_GET_ITEM(params.ptr(), i);
+    const at::Tensor* t = tensor_of(p);
+    if (t == nullptr) {  // not a tensor: ask Python, as a comprehension would
+      py::object grad = py::reinterpret_borrow<py::object>(p).attr("grad");
+      if (!grad.is_none()) out.append(py::reinterpret_borrow<py::object>(p));
+    } else if (t->grad().defined()) {
+      out.append(py::reinterpret_borrow<py::object>(p));
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -269,6 +315,7 @@ void init_grad_pass(py::module& m) {
   using py::arg;
   m.def("unscale_pass", &unscale_pass, arg("sources"), arg("targets"), arg("inv_scale"),
         arg("unit"), arg("per_tensor"), arg("found_inf") = py::none(),
+        arg("written") = py::none(),
         "The clean unscale pass in one call, or None (see grad_pass.cpp).");
   m.def("with_grads", &with_grads, arg("params"),
         "The parameters of a list that have a gradient.");

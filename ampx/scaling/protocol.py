@@ -152,6 +152,10 @@ class OptimizerAmpState:
     _last_skip: bool | torch.Tensor = False
     _groups_seen: int = 0
     _cache: ParamCache | None = None
+    # the masters a clean native pass gave a gradient (it appends them itself): their undo
+    written: list[torch.Tensor] = field(default_factory=list)
+    # where the block of the pass in SCALING is (`scaled_pass.Opening`; None: apex's begin)
+    _opening: Any = None
 
     # -- views -----------------------------------------------------------------------------
     def use_masters(self) -> None:
@@ -236,11 +240,13 @@ class OptimizerAmpState:
 
     # -- transitions around backward ---------------------------------------------------------
     def begin_backward(self, optimizer: torch.optim.Optimizer,
-                       journal: Journal | None = None) -> None:
+                       journal: Journal | None = None, opening: Any = None) -> None:
         """READY/UNSCALED/SCALED -> SCALING: move earlier gradients aside for this pass.
 
         With `journal` (a `ScaledPass` beginning over several optimizers) the changes are
         recorded there and the caller rolls back; else this call is its own transaction.
+        `opening` says where the pass's block is (`scaled_pass.Opening`, for
+        `heal_abandoned`).
 
         Parameters the optimizer steps have their gradient stashed (added back to this pass's
         unscaled gradient at the end). The half model parameters behind masters have theirs
@@ -250,35 +256,56 @@ class OptimizerAmpState:
         nothing moves (gradients accumulate scaled, so DDP's last all-reduce sees all of them);
         the gradients' identities and versions are recorded instead.
         """
-        if self.stage is Stage.SCALING:
+        if self.stage is Stage.SCALING and not self.heal_abandoned(optimizer):
             raise RuntimeError(
                 "ampx.scale_loss: this optimizer is already inside a scale_loss block; nest "
                 "no scale_loss blocks over the same optimizer (finish the first one)."
             )
-        self.use_masters()
-        self._heal(optimizer)
+        if self.masters.watching:
+            self.masters.follow()
+        if self._decision is not None:
+            self._heal(optimizer)
         cache = self.cache(optimizer)
         own = journal is None
         journal = Journal() if journal is None else journal
+        stage = self.stage
         try:
-            if self.stage is Stage.SCALED:
-                marks = {id(p): grad_mark(p) for p in cache.models + cache.others}
+            if stage is Stage.SCALED:
+                marks = {id(p): grad_mark(p) for p in cache.sources}
                 journal.set(self, "_entry", (Stage.SCALED, marks))
             else:
-                stash = {id(p): (p, p.grad) for p in _ext.with_grads(cache.others)}
-                dropped = {id(p): (p, p.grad) for p in _ext.with_grads(cache.models)}
-                journal.set(self, "_entry", (self.stage, None))
-                if stash or self.stash:
-                    journal.set(self, "stash", stash)
-                if dropped or self.dropped:
-                    journal.set(self, "dropped", dropped)
-                for param, _ in list(stash.values()) + list(dropped.values()):
-                    journal.set(param, "grad", None)
+                journal.set(self, "_entry", (stage, None))
+                if self.stash or self.dropped or _ext.with_grads(cache.sources):
+                    self._set_aside(journal, cache)
+            journal.set(self, "_opening", opening)
             journal.set(self, "stage", Stage.SCALING)
         except BaseException:
             if own:
                 journal.rollback()
             raise
+
+    def _set_aside(self, journal: Journal, cache: ParamCache) -> None:
+        """The gradients of before the pass go into the stash (and `dropped`), out of `.grad`."""
+        stash = {id(p): (p, p.grad) for p in _ext.with_grads(cache.others)}
+        dropped = {id(p): (p, p.grad) for p in _ext.with_grads(cache.models)}
+        journal.set(self, "stash", stash)
+        journal.set(self, "dropped", dropped)
+        for param, _ in list(stash.values()) + list(dropped.values()):
+            journal.set(param, "grad", None)
+
+    def heal_abandoned(self, optimizer: torch.optim.Optimizer) -> bool:
+        """SCALING whose block is gone (interrupted at its exit's entry): abort that pass.
+
+        Returns whether the optimizer left SCALING. A pass whose block is still open (or
+        whose begin ran elsewhere: apex's `_prepare_amp_backward`) stays.
+        """
+        opening = self._opening
+        if self.stage is not Stage.SCALING or opening is None or not opening.over():
+            return False
+        logger.warning("ampx: a scale_loss block was left without its exit (an interrupt at "
+                       "its entry); its pass is dropped, as an exception in the block would.")
+        self.abort_backward(optimizer)
+        return self.stage is not Stage.SCALING
 
     def abort_backward(self, optimizer: torch.optim.Optimizer) -> None:
         """SCALING -> the stage before: this pass's gradients are dropped, the stash restored.
@@ -292,10 +319,10 @@ class OptimizerAmpState:
             return
         before, marks = self._entry
         cache = self.cache(optimizer)
-        touched = cache.models + cache.others
+        touched = cache.sources
         if before is Stage.SCALED and marks is not None:
-            if all(grad_mark(p) == marks.get(id(p)) for p in touched):
-                self.stage, self._entry = Stage.SCALED, None
+            if not self.written and all(grad_mark(p) == marks.get(id(p)) for p in touched):
+                self.stage, self._entry, self._opening = Stage.SCALED, None, None
                 return
             logger.warning("ampx.scale_loss: an exception interrupted a backward that added "
                            "into delay_unscale gradients; the partial update is dropped.")
@@ -304,11 +331,15 @@ class OptimizerAmpState:
         try:
             for param in touched:
                 journal.set(param, "grad", None)
+            for master in self.written:  # a clean pass gave them gradients; they had none
+                journal.set(master, "grad", None)
             for param, grad in list(self.stash.values()) + list(self.dropped.values()):
                 journal.set(param, "grad", grad)
             journal.set(self, "stash", {})
             journal.set(self, "dropped", {})
+            journal.set(self, "written", [])
             journal.set(self, "_entry", None)
+            journal.set(self, "_opening", None)
             journal.set(self, "stage", before)
         except BaseException:
             journal.rollback()
@@ -320,6 +351,7 @@ class OptimizerAmpState:
         if self._entry[0] is not Stage.SCALED:
             journal.set(self, "_before_delay", self._entry[0])
         journal.set(self, "_entry", None)
+        journal.set(self, "_opening", None)
         journal.set(self, "stage", Stage.SCALED)
 
     def commit_unscale(self, journal: Journal, work: unscale.UnscaleWork,
@@ -334,9 +366,14 @@ class OptimizerAmpState:
         for param, _ in self.dropped.values():
             if param.grad is not None and all(param is not p for p in work.clear):
                 journal.set(param, "grad", None)
-        journal.set(self, "stash", {})
-        journal.set(self, "dropped", {})
+        if self.stash:
+            journal.set(self, "stash", {})
+        if self.dropped:
+            journal.set(self, "dropped", {})
+        if self.written:  # committed: no undo for them any more
+            journal.set(self, "written", [])
         journal.set(self, "_entry", None)
+        journal.set(self, "_opening", None)
         if flag is not None:
             journal.set(self, "found_inf", flag)
         if loss_id is not None:
@@ -363,13 +400,17 @@ class OptimizerAmpState:
         Releases the half model gradients behind masters (as apex's O2 zero_grad did), the
         stash, the scaled-gradients mark and the pending overflow flag.
         """
-        if self.stage is Stage.SCALING:
+        if self.stage is Stage.SCALING and not self.heal_abandoned(optimizer):
             return
-        self._heal(optimizer)
+        if self._decision is not None:
+            self._heal(optimizer)
         if (self.stage is Stage.READY and self.found_inf is None and not self.stash
                 and not self.dropped and not self.loss_ids and not self.overflow_flags
-                and self._decision is None and not self.masters):
-            return  # the usual zero_grad right after a step: nothing to release
+                and self._decision is None):
+            # the usual zero_grad right after a step: nothing to release (at O2, unless
+            # half model gradients appeared since)
+            if not self.masters or not _ext.with_grads(self.cache(optimizer).models):
+                return
         cache = self.cache(optimizer)
         journal = Journal()
         try:
@@ -395,6 +436,8 @@ class OptimizerAmpState:
            optimizers that take `found_inf` (`_step_supports_amp_scaling`) get the device
            flag instead and skip inside their kernel: no sync.
         """
+        if self.stage is Stage.SCALING:
+            self.heal_abandoned(optimizer)
         if self.stage in (Stage.SCALING, Stage.SCALED):
             raise RuntimeError(
                 "optimizer.step() was called while gradients are still scaled: the last "
@@ -439,22 +482,32 @@ class OptimizerAmpState:
             raise error
 
     def _commit_step(self, cache: ParamCache, decision: StepDecision) -> None:
+        """The step's bookkeeping, all or nothing: an interrupt half-way leaves the step
+        pending (`_decision` set), and the next entry completes it again (`_heal`)."""
         for master in _ext.with_grads(cache.masters):  # as apex: the step consumes them
             master.grad = None
-        self.steps += 1
-        if decision.flag is not None:
-            flag = decision.flag.reshape(())
-            self._last_skip = flag > 0
-            self._skipped_device = (flag > 0).int() if self._skipped_device is None \
-                else self._skipped_device + (flag > 0).int()
-        else:
-            self._last_skip = decision.skip
-            self._skipped += int(decision.skip)
-        self.found_inf = None
-        self.loss_ids = frozenset()
-        self.overflow_flags = ()
-        self._decision = None
-        self.stage = Stage.READY
+        journal = Journal()
+        try:
+            journal.set(self, "steps", self.steps + 1)
+            if decision.flag is not None:
+                skip = decision.flag.reshape(()) > 0
+                journal.set(self, "_last_skip", skip)
+                journal.set(self, "_skipped_device", skip.int() if self._skipped_device is None
+                            else self._skipped_device + skip.int())
+            else:
+                journal.set(self, "_last_skip", decision.skip)
+                if decision.skip:
+                    journal.set(self, "_skipped", self._skipped + 1)
+            journal.set(self, "found_inf", None)
+            if self.loss_ids:
+                journal.set(self, "loss_ids", frozenset())
+            if self.overflow_flags:
+                journal.set(self, "overflow_flags", ())
+            journal.set(self, "stage", Stage.READY)
+            journal.set(self, "_decision", None)  # last: until here the step is pending
+        except BaseException:
+            journal.rollback()
+            raise
 
 
 def _version_mark(cache: ParamCache) -> tuple[torch.Tensor, int] | None:

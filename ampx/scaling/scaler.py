@@ -46,6 +46,8 @@ _LOG_FIRST = 3  # overflow messages always logged before rate limiting starts
 # there, steps look clean, and growing back takes ~250k steps. At 1.0 gradients are plain fp16
 # values, training goes on, and the scale grows back by growth_factor per growth_interval.
 _DEFAULT_FLOOR = 1.0
+_float, _mul, _reshape = torch._C.TensorBase.float, torch._C.TensorBase.mul, \
+    torch._C.TensorBase.reshape
 _TENSORS = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_overflows_since_report",
             "_scale_before_overflow")
 
@@ -165,10 +167,13 @@ class LossScaler:
         `loss.float()` itself: the product would equal it value for value and gradient for
         gradient, at the cost of one more op per step.
         """
+        # torch's own tensor methods (`TensorBase`): under O1 `Tensor.__mul__` and `.float`
+        # are cast wrappers, and a float32 loss times a float32 scale needs no cast decision
+        loss = _float(loss)
         if self.unit_scale():
-            return loss.float()
+            return loss
         scale = self._scale if loss.device == self._scale.device else self._scale.to(loss.device)
-        return loss.float() * scale.reshape(())
+        return _mul(loss, _reshape(scale, ()))
 
     def inv_scale(self) -> torch.Tensor:
         """1 / scale as a float32 tensor of shape [1] (no sync); treat it as read-only.
@@ -209,14 +214,8 @@ class LossScaler:
         of `update_`, used by the scaled-backward protocol).
         """
         found = found_inf if found_inf.device == self.device else found_inf.to(self.device)
-        if self.dynamic:
-            rule = (self.growth_factor, self.backoff_factor, self.growth_interval,
-                    self.hysteresis, self.floor, self.max_loss_scale)
-        else:
-            rule = (1.0, 1.0, _STATIC_INTERVAL, 1, 0.0, math.inf)
-        fused = _ext.next_scale_state(
-            (self._scale, self._growth_tracker, self._hysteresis_tracker,
-             self._overflows_since_report, self._scale_before_overflow), found, rule)
+        rule = self.rule
+        fused = _ext.next_scale_state(self.tensors(), found, rule)
         if fused is not None:  # the same five ops as below, in one native call
             return dict(zip(_TENSORS, fused))
         # the three the kernel updates in place are cloned; the other two are computed anew
@@ -228,6 +227,21 @@ class LossScaler:
         _ext.update_scale_(new["_scale"], new["_growth_tracker"], new["_hysteresis_tracker"],
                            found, *rule)
         return new
+
+    @property
+    def rule(self) -> tuple[float, float, int, int, float, float]:
+        """(growth, backoff, interval, hysteresis, floor, ceiling) of the update rule; a
+        static scaler's never changes the scale."""
+        if self.dynamic:
+            return (float(self.growth_factor), float(self.backoff_factor),
+                    int(self.growth_interval), int(self.hysteresis), float(self.floor),
+                    float(self.max_loss_scale))
+        return (1.0, 1.0, _STATIC_INTERVAL, 1, 0.0, math.inf)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The five state tensors, in `next_state`'s order (read-only)."""
+        return (self._scale, self._growth_tracker, self._hysteresis_tracker,
+                self._overflows_since_report, self._scale_before_overflow)
 
     def commit(self, journal: Journal, new: Mapping[str, torch.Tensor]) -> None:
         """Install a state made by `next_state` (or a checkpoint load) through `journal`.

@@ -93,7 +93,7 @@ class _ZeroGrad:
             self.original(set_to_none)
         else:
             type(optimizer).zero_grad(optimizer, set_to_none)
-        state = amp_state_of(optimizer)
+        state = vars(optimizer).get(ATTR)
         if state is not None:
             state.zero_grad(optimizer)
 
@@ -167,11 +167,13 @@ def _standin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
     regions.drop_ended_steps()  # an earlier step of this thread that raised
-    state = amp_state_of(optimizer)
+    attrs = vars(optimizer)
+    state = attrs.get(ATTR)
     if state is None:
         return None
-    for name in _FUSED_ATTRS:  # left over from a fused step that raised
-        vars(optimizer).pop(name, None)
+    if "found_inf" in attrs or "grad_scale" in attrs:  # left over from a fused step that raised
+        for name in _FUSED_ATTRS:
+            attrs.pop(name, None)
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
     ran = closure is not None and state.policy.scales and state.stage not in (
         Stage.SCALING, Stage.SCALED)  # (decide_step refuses those stages)
@@ -235,11 +237,13 @@ def _with_closure(args: tuple, kwargs: dict, closure: Any) -> tuple[tuple, dict]
 
 def _step_post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     try:
-        state = amp_state_of(optimizer)
+        attrs = vars(optimizer)
+        state = attrs.get(ATTR)
         if state is None:
             return
-        for name in _FUSED_ATTRS:
-            vars(optimizer).pop(name, None)
+        if "found_inf" in attrs or "grad_scale" in attrs:
+            for name in _FUSED_ATTRS:
+                attrs.pop(name, None)
         state.after_step(optimizer)
     finally:
         regions.end_step(sys._getframe(1), id(optimizer))

@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 import ampx
-from ampx import session as session_module
 from ampx.o1 import patch
+from ampx.scaling import scaled_pass
 
 
 def _grads(dtype: str, monkeypatch: pytest.MonkeyPatch | None) -> tuple[list[int], list]:
     if monkeypatch is not None:
-        monkeypatch.setattr(session_module, "_drop_weight_casts", lambda: None)
+        monkeypatch.setattr(scaled_pass, "_drop_weight_casts", lambda: None)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     amp = ampx.Amp("O1", dtype=dtype, verbosity=0)
