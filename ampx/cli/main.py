@@ -184,7 +184,7 @@ examples:
 _BUILD_EPILOG = """\
 Compiles ampx's native kernels (ampx/csrc) against the installed torch into a cache; later
 imports load them. Needs a C++ compiler ($CXX, default c++) and ninja (pip install
-'ampx[native]'). Without them ampx uses its pure-torch kernels. CUDA kernels are added when
+'torch-ampx[native]'). Without them ampx uses its pure-torch kernels. CUDA kernels are added when
 torch has CUDA and nvcc is found (no GPU needed).
 
 examples:
