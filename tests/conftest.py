@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import types
 
 import pytest
@@ -42,6 +44,34 @@ def _global_torch_state() -> dict[str, object]:
     }
 
 
+def _hooks() -> dict[str, object]:
+    """The interpreter's error hooks (pytest sets its own once, at configure).
+
+    torch.distributed's init_process_group prefixes sys.excepthook with "[rank0]:" and
+    destroy_process_group leaves it: a test that keeps it breaks pytest's own error report.
+    """
+    return {"sys.excepthook": sys.excepthook, "threading.excepthook": threading.excepthook,
+            "sys.unraisablehook": sys.unraisablehook}
+
+
+def _restore_hooks(before: dict[str, object]) -> list[str]:
+    """Put back every hook changed since `before` (so the run goes on reporting normally)."""
+    changed = [name for name, hook in _hooks().items() if hook is not before[name]]
+    for name in changed:
+        module, attr = name.split(".")
+        setattr(sys if module == "sys" else threading, attr, before[name])
+    return changed
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _pristine_hooks_per_module():
+    """The hooks again around each module: a module-scoped fixture may set one for all tests."""
+    before = _hooks()
+    yield
+    changed = _restore_hooks(before)
+    assert not changed, f"a module fixture left a global hook installed: {changed}"
+
+
 @pytest.fixture(autouse=True)
 def _pristine_torch():
     """Fail any test after which torch is not exactly as it was (after ampx.restore()).
@@ -52,7 +82,10 @@ def _pristine_torch():
     """
     before = _namespaces()
     state = _global_torch_state()
+    hooks = _hooks()
     yield
+    changed_hooks = _restore_hooks(hooks)
+    assert not changed_hooks, f"test left a global hook installed: {changed_hooks}"
     ampx.restore()
     after = _namespaces()
     names = NAMESPACE_NAMES
