@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
 import types
+from pathlib import Path
 
 import pytest
 import torch
-from _shared import NAMESPACE_NAMES, snapshot
+from _shared import KERNEL_CALLS, NAMESPACE_NAMES, snapshot
 
 import ampx
 from ampx import frontend
@@ -19,11 +21,14 @@ from ampx.o1 import patch
 def pytest_report_header(config: pytest.Config) -> list[str]:
     from ampx import _ext
 
-    return [
+    calls = KERNEL_CALLS["count"]  # a pytester run inside a test reports too: not the test's
+    header = [
         f"ampx {ampx.__version__}, torch {torch.__version__}",
         f"ampx kernels: BACKEND={_ext.BACKEND} IMPORT_ERROR={_ext.IMPORT_ERROR!r} "
         f"(AMPX_DISABLE_EXT={os.environ.get('AMPX_DISABLE_EXT', '')!r})",
     ]
+    KERNEL_CALLS["count"] = calls
+    return header
 
 
 _MISSING = object()
@@ -141,6 +146,84 @@ def _seed():
     torch.manual_seed(0)
 
 
+# -- which tests run twice: once per kernel backend ----------------------------------------------
+#
+# The README's test command runs the whole suite on the native kernels, then only the tests
+# marked `kernel_backend` again under AMPX_DISABLE_EXT=1 (the pure-torch reference kernels).
+# A test is marked when it uses the `backend` fixture, carries the mark itself, or lives under
+# one of KERNEL_BACKEND_PATHS (relative to tests/: the files whose tests call ampx's kernels
+# in-process) and is not one of CHILD_PROCESS_ONLY (tests there whose training runs only in
+# child processes: their kernels are the ones the in-process tests cover on both backends).
+# `_kernel_calls_are_marked` below fails any unmarked test that reaches the kernel dispatcher,
+# so a new kernel test, or a wrong entry below, cannot silently run on one backend only.
+KERNEL_MARK = "kernel_backend"
+KERNEL_BACKEND_PATHS = (
+    "kernels/", "scaling/", "o1/", "overflow/", "fairseq_compat/", "apex_compat/", "options/",
+    "test_initialize.py", "test_object_api.py", "test_model.py",
+    "cli/test_selftest.py", "cli/test_run_without_initialize.py",
+    "integrations/test_accelerate.py", "integrations/test_lightning.py",
+    "integrations/test_hf_trainer.py",
+)
+CHILD_PROCESS_ONLY = (
+    "apex_compat/test_apex_alias.py::test_run_does_not_shadow_real_apex_on_sys_path",
+    "apex_compat/test_apex_companions.py::test_legacy_script_runs_with_every_companion",
+    "apex_compat/test_apex_companions.py::test_two_gloo_ranks_sync_batch_norm_and_ddp",
+    "apex_compat/test_apex_l0.py::test_apex_fp16_checkpoint_resumes_under_dtype_bf16",
+    "overflow/test_overflow_distributed.py::",  # its module fixture launches the two ranks
+    "test_object_api.py::test_package_names_load_lazily_in_a_fresh_process",
+    "integrations/test_lightning.py::test_ddp_two_cpu_processes",
+    "integrations/test_lightning.py::test_fabric_ddp_",
+    "integrations/test_lightning.py::test_importing_ampx_imports_no_framework",
+)
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            where = Path(item.path).resolve().relative_to(_TESTS).as_posix()
+        except ValueError:
+            where = ""
+        test = f"{where}::{item.name}"
+        if "backend" in getattr(item, "fixturenames", ()) or (
+                where.startswith(KERNEL_BACKEND_PATHS) and not test.startswith(
+                    CHILD_PROCESS_ONLY)):
+            item.add_marker(KERNEL_MARK)
+
+
+def _counted(function):  # type: ignore[no-untyped-def]
+    @functools.wraps(function)
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        KERNEL_CALLS["count"] += 1
+        return function(*args, **kwargs)
+
+    counting.__wrapped_by_conftest__ = function  # type: ignore[attr-defined]
+    return counting
+
+
+# Every kernel call and every look at the backend (BACKEND, IMPORT_ERROR, describe(), the
+# native module) goes through one of these two; counting them costs a call per kernel launch.
+_DISPATCH = ("_impl", "_ensure_loaded")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from ampx import _ext
+
+    for name in _DISPATCH:
+        setattr(_ext, name, _counted(getattr(_ext, name)))
+    # Load the backend now, in the run's own environment: a pytester run inside a test sets
+    # HOME elsewhere, and a first load there would miss the per-user build cache for the
+    # rest of this process (an xdist worker may run such a test first).
+    _ext._ensure_loaded()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from ampx import _ext
+
+    for name in _DISPATCH:
+        setattr(_ext, name, getattr(_ext, name).__wrapped_by_conftest__)
+
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     """Tiny models: one intra-op thread is faster and immune to OpenMP spinning on a busy box.
@@ -151,3 +234,21 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _kernel_calls_are_marked(request: pytest.FixtureRequest):
+    """Fail a test that reached ampx's kernel dispatcher without the `kernel_backend` mark.
+
+    Defined last: it tears down first, before the other fixtures' ampx.restore().
+    """
+    KERNEL_CALLS["count"] = 0
+    yield
+    calls = KERNEL_CALLS["count"]
+    if calls and request.node.get_closest_marker(KERNEL_MARK) is None:
+        pytest.fail(
+            f"{request.node.nodeid} called ampx's kernels ({calls} dispatches through "
+            "ampx._ext) but is not marked kernel_backend, so the reference-kernel run "
+            "(AMPX_DISABLE_EXT=1 pytest -m kernel_backend) would skip it: add "
+            "@pytest.mark.kernel_backend, or its file to KERNEL_BACKEND_PATHS in "
+            "tests/conftest.py", pytrace=False)

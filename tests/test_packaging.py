@@ -133,9 +133,12 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
 PROBE = textwrap.dedent("""
     import os
 
+    import pytest
+
     from ampx import _ext
 
 
+    @pytest.mark.kernel_backend
     def test_probe():
         with open(os.environ["PROBE_LOG"], "a") as log:
             log.write(f"{os.environ.get('AMPX_DISABLE_EXT', '-')} {_ext.BACKEND}\\n")
@@ -158,6 +161,9 @@ def test_readme_test_command_survives_a_missing_compiler(tmp_path: Path) -> None
     suite = tmp_path / "suite"
     suite.mkdir()
     (suite / "test_probe.py").write_text(PROBE)
+    (suite / "pytest.ini").write_text("[pytest]\nmarkers =\n    kernel_backend: both backends\n")
+    (suite / "test_reference_run_skips_me.py").write_text(
+        "def test_native_run_only():\n    pass\n")
     log = tmp_path / "probe.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AMPX_", "PYTEST_"))}
     env.update(PATH=os.pathsep.join([str(bindir), env.get("PATH", "")]), PROBE_LOG=str(log),
@@ -169,4 +175,8 @@ def test_readme_test_command_survives_a_missing_compiler(tmp_path: Path) -> None
     assert proc.stderr.startswith("ampx build-ext: SKIPPED, no C++ compiler: CXX=")
     assert str(tmp_path / "no-such-compiler") in proc.stderr.splitlines()[0]
     assert log.read_text().splitlines() == ["- reference", "1 reference"]
+    # the second run is only the kernel_backend tests, both on two xdist workers
+    runs = [line.split(" in ")[0] for line in proc.stdout.splitlines() if " passed in " in line]
+    assert runs == ["2 passed", "1 passed"], proc.stdout
+    assert "bringing up nodes..." in proc.stdout, proc.stdout  # xdist ran them
     assert not (tmp_path / "cache").exists()

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _shared import KERNEL_CALLS
 
 pytest_plugins = ["pytester"]
 
@@ -72,3 +73,48 @@ def test_a_test_or_module_fixture_that_leaves_a_hook_fails(pytester: pytest.Pyte
     result.stdout.fnmatch_lines(
         ["*a module fixture left a global hook installed: ?'sys.excepthook'?"])
     assert (sys.excepthook, threading.excepthook) == hooks  # the checks put them back
+
+
+KERNELS = '''
+import pytest
+import torch
+
+from ampx import _ext
+
+
+def test_unmarked_kernel_call():
+    _ext.l2norm([torch.ones(3)])
+
+def test_reads_the_backend():
+    assert _ext.BACKEND in ("native", "reference")
+
+@pytest.mark.kernel_backend
+def test_marked_kernel_call():
+    _ext.l2norm([torch.ones(3)])
+
+def test_backend_fixture(backend):
+    _ext.l2norm([torch.ones(3)])
+
+def test_no_kernels():
+    assert torch.ones(3).sum() == 3
+'''
+
+
+def test_a_kernel_call_without_the_kernel_backend_mark_fails(pytester: pytest.Pytester) -> None:
+    """The reference-kernel run selects `-m kernel_backend`; an unmarked kernel test would
+    silently run on one backend only, so the first run fails it."""
+    shutil.copy(Path(__file__).with_name("conftest.py"), pytester.path / "conftest.py")
+    pytester.makeini("[pytest]\nmarkers =\n    kernel_backend: runs on both kernel backends\n")
+    pytester.makepyfile(test_kernels=KERNELS)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rs")
+    outcomes = result.parseoutcomes()
+    assert outcomes["errors"] == 2 and outcomes.get("failed", 0) == 0
+    # every call passes; the two unmarked ones error in teardown (backend: two params)
+    assert outcomes["passed"] + outcomes.get("skipped", 0) == 6
+    result.stdout.fnmatch_lines([
+        "*test_unmarked_kernel_call called ampx's kernels * not marked kernel_backend*",
+        "*test_reads_the_backend called ampx's kernels * not marked kernel_backend*"],
+        consecutive=False)
+    selected = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-m", "kernel_backend")
+    assert selected.parseoutcomes()["deselected"] == 3
+    KERNEL_CALLS["count"] = 0  # the inner runs' kernel calls are not this test's own

@@ -322,6 +322,7 @@ def test_run_under_torchrun_two_cpu_ranks(tmp_path: Path) -> None:
 
 # -- ampx info / lists / build-ext ---------------------------------------------------------------
 
+@pytest.mark.kernel_backend  # `ampx info` reports the backend
 def test_info_reports_versions_devices_and_kernels(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
@@ -365,6 +366,7 @@ def test_lists_o1_shows_what_each_function_does(capsys: pytest.CaptureFixture[st
     assert {entry["policy"] for entry in data["patched"]} == {"fp32"}
 
 
+@pytest.mark.kernel_backend  # `ampx info` reports the backend
 @pytest.mark.parametrize("amx_fp16, expected", [(False, "bfloat16"), (True, "float16")])
 def test_lists_defaults_to_the_dtype_info_advises(amx_fp16: bool, expected: str,
                                                   monkeypatch: pytest.MonkeyPatch,
