@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
+import subprocess
 import sys
 import threading
 import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -206,8 +209,55 @@ def _counted(function):  # type: ignore[no-untyped-def]
 _DISPATCH = ("_impl", "_ensure_loaded")
 
 
+# -- no test leaves a child process running ------------------------------------------------------
+#
+# A test that waits on a child (or sends it a signal) has a timeout of its own; when it expires
+# and the test fails, the child, or a grandchild that ignores SIGINT, must not go on running
+# (holding the run's output open until its own, much longer, timeout): the check below kills
+# every child a test started that is still running, with its descendants, and fails the test.
+_children: weakref.WeakSet[subprocess.Popen] = weakref.WeakSet()
+_popen_init = subprocess.Popen.__init__
+
+
+def _tracked_init(self: subprocess.Popen, *args: object, **kwargs: object) -> None:
+    _popen_init(self, *args, **kwargs)  # type: ignore[arg-type]
+    _children.add(self)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc; elsewhere none are found)."""
+    kids: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = kids.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def _kill_left_children() -> list[str]:
+    left = [proc for proc in list(_children) if proc.poll() is None]
+    for proc in left:
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        proc.wait()
+    _children.clear()
+    return [str(proc.args)[:200] for proc in left]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     from ampx import _ext
+
+    subprocess.Popen.__init__ = _tracked_init  # type: ignore[method-assign]
 
     for name in _DISPATCH:
         setattr(_ext, name, _counted(getattr(_ext, name)))
@@ -219,6 +269,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     from ampx import _ext
+
+    subprocess.Popen.__init__ = _popen_init  # type: ignore[method-assign]
 
     for name in _DISPATCH:
         setattr(_ext, name, getattr(_ext, name).__wrapped_by_conftest__)
@@ -252,3 +304,12 @@ def _kernel_calls_are_marked(request: pytest.FixtureRequest):
             "(AMPX_DISABLE_EXT=1 pytest -m kernel_backend) would skip it: add "
             "@pytest.mark.kernel_backend, or its file to KERNEL_BACKEND_PATHS in "
             "tests/conftest.py", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_child_left():
+    """Fail a test that leaves a child process running (killed here, with its descendants)."""
+    _children.clear()
+    yield
+    left = _kill_left_children()
+    assert not left, f"test left child processes running (killed): {left}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,53 @@ def test_a_kernel_call_without_the_kernel_backend_mark_fails(pytester: pytest.Py
     selected = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-m", "kernel_backend")
     assert selected.parseoutcomes()["deselected"] == 3
     KERNEL_CALLS["count"] = 0  # the inner runs' kernel calls are not this test's own
+
+
+CHILDREN = '''
+import os
+import subprocess
+import sys
+import time
+
+CHILD = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C cannot stop it
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(grandchild.pid, flush=True)
+time.sleep(120)
+"""
+
+LEFT = []  # kept referenced: only the check may end it
+
+def test_waits_too_briefly_and_leaves_the_child():
+    proc = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    LEFT.append(proc)
+    grandchild = proc.stdout.readline().strip()
+    with open(os.environ["PIDS"], "w") as f:
+        f.write(f"{proc.pid} {grandchild}")
+    proc.stdout.close()
+
+def test_waits_for_its_child():
+    subprocess.run([sys.executable, "-c", "pass"], check=True, timeout=60)
+'''
+
+
+def test_a_test_that_leaves_a_child_running_fails_and_the_child_is_killed(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import os
+
+    shutil.copy(Path(__file__).with_name("conftest.py"), pytester.path / "conftest.py")
+    pytester.makepyfile(test_children=CHILDREN)
+    monkeypatch.setenv("PIDS", str(tmp_path / "pids"))
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*test left child processes running (killed):*"])
+    for pid in map(int, (tmp_path / "pids").read_text().split()):  # the grandchild too
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)  # a killed grandchild is reaped by init: gone soon after
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"process {pid} still runs")
