@@ -249,7 +249,7 @@ def _kill_left_children() -> list[str]:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        proc.wait()
+        proc.wait(timeout=60)
     _children.clear()
     return [str(proc.args)[:200] for proc in left]
 

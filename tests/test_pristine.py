@@ -1,7 +1,9 @@
-"""The autouse pristine checks in conftest.py fail a test that leaves torch or a hook changed."""
+"""The autouse checks in conftest.py (torch and the error hooks left as found, kernel tests
+marked, no child process left running), and every wait on a child bounded by a timeout."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import time
 from pathlib import Path
@@ -169,3 +171,26 @@ def test_a_test_that_leaves_a_child_running_fails_and_the_child_is_killed(
             time.sleep(0.05)
         else:
             pytest.fail(f"process {pid} still runs")
+
+
+_WAITS = {"run", "check_output", "check_call", "call", "communicate", "wait"}
+
+
+def test_every_wait_on_a_child_process_has_a_timeout() -> None:
+    """A child that hangs (or ignores the SIGINT a test sends) fails its test within minutes
+    instead of stalling the run: `subprocess.run(...)`, `proc.communicate()` and `proc.wait()`
+    in tests/ pass `timeout`."""
+    unbounded = []
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in _WAITS):
+                continue
+            owner = ast.unparse(node.func.value)
+            waits_on_a_child = owner == "subprocess" or (
+                node.func.attr in {"communicate", "wait"} and "proc" in owner)
+            bounded = any(k.arg == "timeout" for k in node.keywords) or (
+                node.func.attr == "wait" and node.args)
+            if waits_on_a_child and not bounded:
+                unbounded.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert not unbounded, "waits without a timeout:\n" + "\n".join(unbounded)
