@@ -175,7 +175,7 @@ def _ninja_on_path() -> Iterator[None]:
         except ImportError as exc:
             raise RuntimeError(
                 "ampx build-ext: ninja is missing; install the build's needs with "
-                "`pip install 'ampx[native]'` (or `pip install ninja`)"
+                "`pip install 'torch-ampx[native]'` (or `pip install ninja`)"
             ) from exc
         os.environ["PATH"] = os.pathsep.join([str(ninja.BIN_DIR), old])
     try:

@@ -79,3 +79,11 @@ def test_cli_md_quotes_what_ampx_lists_prints(level: str, capsys: pytest.Capture
     first = capsys.readouterr().out.splitlines()[0]
     assert f"$ ampx lists --level {level} --dtype bf16\n{first}\n" in (
         ROOT / "docs" / "cli.md").read_text()
+
+
+def test_cli_md_quotes_the_opt_level_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from ampx.cli import main as cli
+
+    assert cli.main(["run", "-O", "02", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert f"$ ampx run -O 02 train.py\n{err}" in (ROOT / "docs" / "cli.md").read_text()

@@ -163,6 +163,6 @@ def test_package_names_load_lazily_in_a_fresh_process() -> None:
             "assert sorted(ampx.__all__) == sorted(ampx._exports()); "
             "assert all(getattr(ampx, n) is not None for n in ampx.__all__); "
             "assert set(ampx.__all__) <= set(dir(ampx))")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         ampx.nothing  # noqa: B018

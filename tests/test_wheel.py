@@ -31,6 +31,7 @@ from ampx import _build, _version
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = _version.__version__
+DIST = "torch_ampx"  # the distribution torch-ampx, as sdist and wheel file names spell it
 BUILD = """
 import sys, warnings
 warnings.simplefilter("always")
@@ -76,13 +77,13 @@ def _build_dists(tmp: Path, env: dict[str, str]) -> tuple[Path, Path]:
     src, dist = tmp / "src", tmp / "dist"
     shutil.copytree(ROOT, src, ignore=_IGNORE)
     sdist = _run([sys.executable, "-c", BUILD, "build_sdist", str(dist)], cwd=src, env=env)
-    with tarfile.open(dist / f"ampx-{VERSION}.tar.gz") as tar:
+    with tarfile.open(dist / f"{DIST}-{VERSION}.tar.gz") as tar:
         tar.extractall(tmp / "unpacked", **_SAFE)
-    unpacked = tmp / "unpacked" / f"ampx-{VERSION}"
+    unpacked = tmp / "unpacked" / f"{DIST}-{VERSION}"
     wheel = _run([sys.executable, "-c", BUILD, "build_wheel", str(dist)], cwd=unpacked, env=env)
     for proc in (sdist, wheel):  # setuptools' deprecation notices arrive as warnings
         assert "Warning" not in proc.stderr, proc.stderr
-    return unpacked, dist / f"ampx-{VERSION}-py3-none-any.whl"
+    return unpacked, dist / f"{DIST}-{VERSION}-py3-none-any.whl"
 
 
 def _fresh_env(tmp: Path, wheel: Path, env: dict[str, str]) -> Path:
@@ -116,10 +117,11 @@ def test_wheel_installs_builds_and_trains_on_native_kernels(tmp_path: Path) -> N
         assert (unpacked / name).exists(), f"the sdist lacks {name}"
     with zipfile.ZipFile(wheel) as whl:
         names = set(whl.namelist())
-        metadata = whl.read(f"ampx-{VERSION}.dist-info/METADATA").decode()
+        metadata = whl.read(f"{DIST}-{VERSION}.dist-info/METADATA").decode()
     assert {f"ampx/csrc/{n}" for n in ("ampx.cpp", "ampx.h", "kernels_cpu.cpp",
                                        "kernels_cuda.cu")} <= names
-    assert f"ampx-{VERSION}.dist-info/licenses/LICENSE" in names
+    assert f"{DIST}-{VERSION}.dist-info/licenses/LICENSE" in names
+    assert "Name: torch-ampx" in metadata.splitlines()
     assert "License-Expression: BSD-3-Clause" in metadata and f"Version: {VERSION}" in metadata
     assert 'Requires-Dist: ninja; extra == "native"' in metadata
 

@@ -59,6 +59,18 @@ def cpu_support(features: Mapping[str, bool]) -> dict[str, str]:
     return {"fp16": fp16, "bf16": bf16}
 
 
+def preferred_dtype() -> str:
+    """The half dtype `ampx info` advises here: "fp16" with a GPU or a CPU that runs it natively.
+
+    `ampx lists` defaults to it, so the two commands agree on a CPU where fp16 is emulated.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return "fp16"  # apex's dtype, native on every CUDA GPU
+    return "fp16" if cpu_support(cpu_features())["fp16"].startswith("native") else "bf16"
+
+
 def _cpu_name() -> str:
     name = platform.processor() or platform.machine()
     try:  # the marketing name; the features come from torch, not from here

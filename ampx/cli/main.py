@@ -198,7 +198,7 @@ examples:
 _BUILD_EPILOG = """\
 Compiles ampx's native kernels (ampx/csrc) against the installed torch into a cache; later
 imports load them. Needs a C++ compiler ($CXX, default c++) and ninja (pip install
-'ampx[native]'). Without them ampx uses its pure-torch kernels. CUDA kernels are added when
+'torch-ampx[native]'). Without them ampx uses its pure-torch kernels. CUDA kernels are added when
 torch has CUDA and nvcc is found (no GPU needed).
 
 examples:
@@ -331,8 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
                        _LISTS_EPILOG)
     lists.add_argument("--level", type=_opt_level, default="O1", metavar="LEVEL",
                        help="opt level (default: O1)")
-    lists.add_argument("--dtype", type=_dtype, default="fp16", metavar="{fp16,bf16}",
-                       help="half dtype (default: fp16)")
+    lists.add_argument("--dtype", type=_dtype, metavar="{fp16,bf16}",
+                       help="half dtype (default: the one `ampx info` advises here: bf16 on a "
+                            "CPU that emulates fp16, else fp16)")
     lists.add_argument("--policy", metavar="POLICY",
                        help="only this policy (lower, fp32, promote, ...)")
     lists.add_argument("--json", action="store_true", help="print JSON")
@@ -447,10 +448,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_lists(args: argparse.Namespace) -> int:
+    from . import info
     from . import lists as lists_report
 
+    dtype = args.dtype or info.preferred_dtype()
     try:
-        print(lists_report.report(args.level, args.dtype, args.policy, as_json=args.json))
+        print(lists_report.report(args.level, dtype, args.policy, as_json=args.json))
     except lists_report.UnknownPolicy as exc:
         raise _UsageError(str(exc)) from None
     return 0

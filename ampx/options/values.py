@@ -121,10 +121,14 @@ def parse_opt_level(value: Any) -> OptLevel:
     try:
         return OptLevel(value)
     except ValueError:
-        raise OptionError(
-            f"Unexpected optimization level {value}. Options are 'O0', 'O1', 'O2', 'O3'.  "
-            + LETTER_O_HINT
-        ) from None
+        pass
+    hint = LETTER_O_HINT  # apex's message; a lowercase "o2" has the letter, only not capital
+    if isinstance(value, str) and value.strip().upper() in OPT_LEVELS:
+        hint = (f"Opt levels are case-sensitive: did you mean {value.strip().upper()!r} "
+                "(a capital letter O)?")
+    raise OptionError(
+        f"Unexpected optimization level {value}. Options are 'O0', 'O1', 'O2', 'O3'.  " + hint
+    )
 
 
 def parse_bool(name: str, value: Any, *, api: str = "ampx.initialize") -> bool | None:

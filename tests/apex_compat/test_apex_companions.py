@@ -946,12 +946,14 @@ def gloo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     group lives until every such object is collected.
     """
     store = tmp_path_factory.mktemp("gloo") / "store"
+    excepthook = sys.excepthook  # init_process_group prefixes it with "[rank0]:" for good
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
         yield
     finally:
         gc.collect()  # DDP reducers go while their group is still alive
         dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 def _grads_of(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:

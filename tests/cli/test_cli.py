@@ -323,6 +323,7 @@ def test_run_under_torchrun_two_cpu_ranks(tmp_path: Path) -> None:
 
 # -- ampx info / lists / build-ext ---------------------------------------------------------------
 
+@pytest.mark.kernel_backend  # `ampx info` reports the backend
 def test_info_reports_versions_devices_and_kernels(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
@@ -360,10 +361,26 @@ def test_lists_o1_shows_what_each_function_does(capsys: pytest.CaptureFixture[st
     assert rows["torch.Tensor.__matmul__"][:2] == ["lower", "bfloat16"]
     assert rows["torch.nn.functional.softmax"] == ["fp32", "float32"]
 
-    assert cli.main(["lists", "--json", "--policy", "fp32"]) == 0
+    assert cli.main(["lists", "--json", "--policy", "fp32", "--dtype", "fp16"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["dtype"] == "float16" and data["patched"]
     assert {entry["policy"] for entry in data["patched"]} == {"fp32"}
+
+
+@pytest.mark.kernel_backend  # `ampx info` reports the backend
+@pytest.mark.parametrize("amx_fp16, expected", [(False, "bfloat16"), (True, "float16")])
+def test_lists_defaults_to_the_dtype_info_advises(amx_fp16: bool, expected: str,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from ampx.cli import info
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(info, "cpu_features", lambda: {"avx2": True, "amx_fp16": amx_fp16})
+    assert cli.main(["info", "--json"]) == 0
+    advice = json.loads(capsys.readouterr().out)["devices"][0]["fp16"]
+    assert advice.startswith("native") == amx_fp16  # "emulated (slow: prefer bf16 ...)"
+    assert cli.main(["lists", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == expected
 
 
 @pytest.mark.parametrize("level", ["O0", "O2", "O3"])

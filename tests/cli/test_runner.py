@@ -93,6 +93,7 @@ def _traceback_files(err: str) -> list[str]:
     return [line.split('"')[1] for line in body.splitlines() if line.startswith('  File "')]
 
 
+@pytest.mark.kernel_backend  # the script trains a step in this process
 def test_crash_traceback_starts_in_the_script_in_process(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = tmp_path / "init.py"

@@ -272,7 +272,8 @@ def test_bad_options_fail_when_the_plugin_is_made() -> None:
 def test_importing_ampx_imports_no_framework() -> None:
     code = ("import sys, ampx, ampx.integrations; ampx.initialize; print(sorted(m for m in "
             "('lightning', 'accelerate', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=120)
     assert out.stdout.strip() == "[]"
 
 

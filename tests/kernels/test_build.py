@@ -202,7 +202,7 @@ def test_ninja_comes_from_the_native_extra(
     assert os.environ["PATH"] == str(tmp_path)
 
     monkeypatch.setitem(sys.modules, "ninja", None)  # not installed
-    with pytest.raises(RuntimeError, match=r"ninja is missing.*pip install 'ampx\[native\]'"):
+    with pytest.raises(RuntimeError, match=r"ninja is missing.*pip install 'torch-ampx\[native\]'"):
         with _build._ninja_on_path():
             pass
     assert os.environ["PATH"] == str(tmp_path)

@@ -99,6 +99,7 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     (dict(opt_level="01"), "the prefix O is the letter O, not the number zero"),
     (dict(opt_level="O4"), "Unexpected optimization level O4"),
     (dict(opt_level="o1"), "Unexpected optimization level o1"),
+    (dict(opt_level="o2"), "case-sensitive: did you mean 'O2' (a capital letter O)?"),
     (dict(opt_level="O1", cast_model_type=torch.float16), "O1 inserts casts around Torch"),
     (dict(opt_level="O1", cast_model_type=torch.bfloat16), "O1 inserts casts around Torch"),
     (dict(opt_level="O2", cast_model_type="half"), "must be a torch dtype"),
@@ -167,6 +168,14 @@ def test_invalid_options_raise_the_documented_error(kwargs: dict[str, Any], mess
     assert message in str(info.value)
     # Legacy scripts catch RuntimeError (apex's type), new code catches ValueError.
     assert isinstance(info.value, RuntimeError) and isinstance(info.value, ValueError)
+
+
+def test_a_lowercase_letter_o_is_not_told_about_the_number_zero() -> None:
+    with pytest.raises(RuntimeError) as info:
+        resolve_properties(" o3")
+    assert str(info.value) == ("Unexpected optimization level  o3. Options are 'O0', 'O1', 'O2', "
+                               "'O3'.  Opt levels are case-sensitive: did you mean 'O3' "
+                               "(a capital letter O)?")
 
 
 def test_zero_instead_of_letter_o_message_is_apex_verbatim() -> None:

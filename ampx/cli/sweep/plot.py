@@ -173,7 +173,7 @@ def write_png(rows: Sequence[Row], path: Path, title: str = "ampx sweep",
         device: "cpu" or "cuda..." (says what the peak-memory bars measure).
 
     Returns:
-        The path, or None when matplotlib is not installed (`pip install ampx[plot]`).
+        The path, or None when matplotlib is not installed (`pip install 'torch-ampx[plot]'`).
     """
     try:
         fig = build_figure(rows, title, device)
