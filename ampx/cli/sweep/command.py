@@ -207,7 +207,8 @@ def _write(rows: list[Row], spec: SweepSpec, args: argparse.Namespace, interrupt
                                                              else "")
     png = sweep_plot.write_png(rows, spec.out / "sweep.png", device=device, title=title)
     if png is None:
-        say("ampx sweep: matplotlib is not installed (pip install 'torch-ampx[plot]'); no sweep.png")
+        say("ampx sweep: matplotlib is not installed (pip install 'torch-ampx[plot]'); "
+            "no sweep.png")
     else:
         written.append(png)
     return written
