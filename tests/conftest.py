@@ -162,7 +162,8 @@ def _seed():
 KERNEL_MARK = "kernel_backend"
 KERNEL_BACKEND_PATHS = (
     "kernels/", "scaling/", "o1/", "overflow/", "fairseq_compat/", "apex_compat/", "options/",
-    "test_initialize.py", "test_object_api.py", "test_model.py",
+    "test_initialize.py", "test_object_api.py", "test_model.py", "test_model_dtype.py",
+    "test_model_restore.py",
     "cli/test_selftest.py", "cli/test_run_without_initialize.py",
     "integrations/test_accelerate.py", "integrations/test_lightning.py",
     "integrations/test_hf_trainer.py",

@@ -108,7 +108,16 @@ def test_a_kernel_call_without_the_kernel_backend_mark_fails(pytester: pytest.Py
     silently run on one backend only, so the first run fails it."""
     shutil.copy(Path(__file__).with_name("conftest.py"), pytester.path / "conftest.py")
     pytester.makeini("[pytest]\nmarkers =\n    kernel_backend: runs on both kernel backends\n")
-    pytester.makepyfile(test_kernels=KERNELS)
+    # a name no test module of the suite has: under xdist the worker may have imported
+    # tests/kernels/test_kernels.py already, and pytest refuses a second `test_kernels`
+    pytester.makepyfile(test_unmarked_kernel_calls=KERNELS)
+    try:
+        _check_the_inner_runs(pytester)
+    finally:
+        KERNEL_CALLS["count"] = 0  # the inner runs' kernel calls are not this test's own
+
+
+def _check_the_inner_runs(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rs")
     outcomes = result.parseoutcomes()
     assert outcomes["errors"] == 2 and outcomes.get("failed", 0) == 0
@@ -120,7 +129,6 @@ def test_a_kernel_call_without_the_kernel_backend_mark_fails(pytester: pytest.Py
         consecutive=False)
     selected = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-m", "kernel_backend")
     assert selected.parseoutcomes()["deselected"] == 3
-    KERNEL_CALLS["count"] = 0  # the inner runs' kernel calls are not this test's own
 
 
 CHILDREN = '''

@@ -89,5 +89,5 @@ def test_the_engine_alone_has_no_apex_names_and_the_package_adds_them() -> None:
         print("ok")
     ''')
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+                         check=True, timeout=120)
     assert out.stdout.strip().endswith("ok")
