@@ -730,7 +730,8 @@ def test_a_run_stopped_after_its_last_step_is_complete(tmp_path: Path) -> None:
     assert row.final_loss == 1.0 and (row.wall_s or 99) < 30
 
 
-@pytest.mark.parametrize(("load", "threads"), [(0.1, None), (1.2, "1"), (13.0, "1")])
+@pytest.mark.parametrize(("load", "threads"), [(0.1, None), (0.8, None), (1.2, "1"),
+                                               (13.0, "1")])
 def test_runs_on_a_busy_machine_get_the_free_cpus(
         load: float, threads: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -145,9 +145,9 @@ def _threads(spec: SweepSpec, say: Say) -> None:
     if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "getloadavg"):
         return
     cpus, load = os.cpu_count() or 1, os.getloadavg()[0]
-    if load < 0.5:
-        return
-    threads = max(1, cpus - math.ceil(load))
+    # whole CPUs held by others (a load below 1 is mostly the sweep's own probe: at 0.8 on
+    # a quiet 2-core VM one thread per run made the bf16 rows no faster)
+    threads = max(1, cpus - math.floor(load))
     if threads >= cpus:
         return
     spec.env["OMP_NUM_THREADS"] = str(threads)
