@@ -217,7 +217,8 @@ class NumericsMonitor:
             if index not in self._param_hooked:
                 self._param_hooked.add(index)
                 for param in module.parameters(recurse=False):
-                    if param.requires_grad:
+                    # not a leaf: an O2 fp32 fallback's stand-in for this forward
+                    if param.requires_grad and param.is_leaf:
                         self._handles.append(
                             param.register_post_accumulate_grad_hook(self._param_hook(index)))
             if outputs and self._shadow_now():

@@ -6,8 +6,9 @@ raises :class:`OverflowPersistsError` (a FloatingPointError, as fairseq raises) 
 `patience` consecutive skipped steps. ``"fp32-fallback"`` counts skips per culprit module
 (the forward detector's origin when it is on, else the top-ranked module, passing over
 modules already in fp32) and, at `patience` skips of one module, runs that module in float32
-from then on: at O1 its forward runs with casts disabled on float32 inputs; at O2 its
-parameters become their fp32 masters, with inputs cast to float32 and outputs cast back.
+from then on: at O1 its forward runs with casts disabled on float32 inputs; at O2 it computes with
+its parameters' fp32 masters (the model keeps its own half Parameters, so a DDP wrapper made
+earlier still reduces their gradients), with inputs cast to float32 and outputs cast back.
 The modules in fp32 are part of :meth:`OverflowPolicy.state_dict`, so a resume keeps them.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from ..scaling.journal import Journal
 from .report import ROOT_MODULE, OverflowReport
 
 __all__ = ["ON_OVERFLOW", "Fp32Fallback", "OverflowPersistsError", "OverflowPolicy",
-           "find_module"]
+           "find_module", "float_buffers", "params_with_masters"]
 
 logger = logging.getLogger("ampx")
 
@@ -187,12 +188,21 @@ class Fp32Fallback:
         module: The module.
         disable_casts: O1: run its forward with ``ampx.disable_casts()``.
         cast_back: O2: cast its outputs back to the dtype its inputs came in.
+        master_of: O2: a half parameter's fp32 master (None for a parameter without one).
+            For the length of each forward, every such parameter of the module is replaced
+            by a tensor whose value is its master and whose gradient flows into the half
+            parameter: the module computes with the fp32 masters while the model keeps its
+            own Parameters, so a DistributedDataParallel wrapper made earlier still reduces
+            their gradients, and the optimizer still steps the masters.
     """
 
-    def __init__(self, module: nn.Module, *, disable_casts: bool, cast_back: bool) -> None:
+    def __init__(self, module: nn.Module, *, disable_casts: bool, cast_back: bool,
+                 master_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+                 ) -> None:
         self.module = module
         self.disable_casts = disable_casts
         self.cast_back = cast_back
+        self.master_of = master_of
         # one (incoming dtype, journal) per forward in flight: the journal re-enables casts
         self._calls: list[tuple[torch.dtype | None, Journal]] = []
         self._handles: list[Any] = []
@@ -209,6 +219,8 @@ class Fp32Fallback:
             casts_off.__enter__()
             journal.record(functools.partial(casts_off.__exit__, None, None, None))
         self._calls.append((incoming, journal))
+        if self.master_of is not None:
+            _compute_with_masters(self.module, self.master_of, journal)
         return (cast_tree(args, torch.float32, _is_half),
                 cast_tree(kwargs, torch.float32, _is_half))
 
@@ -240,30 +252,39 @@ class Fp32Fallback:
         self._remove_handles()
 
 
-def fp32_params_o2(module: nn.Module, master_of: Any, journal: Journal | None = None
-                   ) -> list[tuple[nn.Parameter, nn.Parameter]]:
-    """O2: give `module`'s split parameters their fp32 masters as model weights.
+def _compute_with_masters(module: nn.Module,
+                          master_of: Callable[[torch.Tensor], torch.Tensor | None],
+                          journal: Journal) -> None:
+    """For one forward: each half parameter with a master becomes ``master + (p - p)``.
 
-    Each half parameter that has a master (``master_of(param)``) is replaced in its module
-    by the master itself, so forward, backward and the optimizer all use the one fp32
-    tensor; half floating buffers become float32. The caller releases the returned
-    ``(half param, master)`` pairs from its master map (they are no longer split). Every
-    swap is recorded in `journal` (the caller's transaction) when one is given.
+    Its value is the master's, bit for bit; its gradient goes to the half parameter ``p``
+    (cast to p's dtype), where DDP's hooks and the O2 unscale expect it. The journal puts
+    the Parameters back when the forward ends.
     """
-    journal = Journal() if journal is None else journal
-    swapped: list[tuple[nn.Parameter, nn.Parameter]] = []
-    with torch.no_grad():
-        for sub in module.modules():
-            for name, param in list(sub._parameters.items()):
-                master = master_of(param) if param is not None else None
-                if param is not None and master is not None:
-                    journal.record(functools.partial(setattr, sub, name, param))
-                    setattr(sub, name, master)
-                    swapped.append((param, master))
-            for name, buf in list(sub._buffers.items()):
-                if buf is not None and buf.dtype in HALF_DTYPES:
-                    journal.setitem(sub._buffers, name, buf.float())
-    return swapped
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            master = master_of(param) if param is not None else None
+            if param is None or master is None:
+                continue
+            view = master.detach() + (param - param.detach()).to(master.dtype)
+            journal.setitem(sub._parameters, name, view)
+
+
+def float_buffers(module: nn.Module, journal: Journal) -> int:
+    """O2 fallback: `module`'s half floating buffers become float32 (recorded in `journal`)."""
+    count = 0
+    for sub in module.modules():
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None and buf.dtype in HALF_DTYPES:
+                journal.setitem(sub._buffers, name, buf.float())
+                count += 1
+    return count
+
+
+def params_with_masters(module: nn.Module,
+                        master_of: Callable[[torch.Tensor], torch.Tensor | None]) -> int:
+    """How many of `module`'s parameters have an fp32 master (for the log line)."""
+    return sum(1 for p in module.parameters() if master_of(p) is not None)
 
 
 def _first_float_dtype(value: Any) -> torch.dtype | None:

@@ -25,7 +25,13 @@ from ..scaling.journal import Journal
 from .flags import GradFlags
 from .forward import ForwardDetector
 from .numerics import NumericsMonitor
-from .policy import Fp32Fallback, OverflowPolicy, find_module, fp32_params_o2
+from .policy import (
+    Fp32Fallback,
+    OverflowPolicy,
+    find_module,
+    float_buffers,
+    params_with_masters,
+)
 from .report import OverflowReport, ParamNames
 
 __all__ = ["STATE_KEY", "OverflowWatch", "check_module_names", "last_overflow",
@@ -36,7 +42,6 @@ logger = logging.getLogger("ampx")
 STATE_KEY = "overflow_policy"  # in ampx.state_dict(), only when on_overflow is not "skip"
 
 Pass = tuple[int, Sequence[torch.Tensor], torch.Tensor]  # (loss_id, holders, flags)
-Release = Callable[[list[tuple[nn.Parameter, nn.Parameter]]], None]
 
 
 def last_overflow(optimizer: Any) -> OverflowReport | None:
@@ -133,8 +138,6 @@ class OverflowWatch:
         patience: See :class:`~ampx.overflow.policy.OverflowPolicy`.
         detect_overflow: None or ``"forward"``.
         casts_patched: O1: the fp32 fallback disables casts instead of swapping weights.
-        release_masters: Called with the pairs an O2 fallback un-split (the protocol drops
-            them from its master map); required for ``"fp32-fallback"`` with masters.
         numerics: ``"report"`` watches every module's numerics (``NumericsMonitor``); the
             fp32 fallback then falls back the module where an overflow starts.
         numerics_every, numerics_shadow_every: The monitor's `every` and `shadow_every`.
@@ -147,7 +150,7 @@ class OverflowWatch:
                  masters: Iterable[tuple[nn.Parameter, nn.Parameter]] = (), *,
                  on_overflow: str = "skip", patience: int = 8,
                  detect_overflow: str | None = None, casts_patched: bool = False,
-                 release_masters: Release | None = None, numerics: str | None = None,
+                 numerics: str | None = None,
                  numerics_every: int = 100, numerics_shadow_every: int = 10,
                  dtype: torch.dtype = torch.float16,
                  loss_scale: Callable[[], float] | None = None,
@@ -156,10 +159,9 @@ class OverflowWatch:
         detect = parse_detect_overflow(detect_overflow)
         self.models = list(models)
         self._pairs = list(masters)
-        self._master_of = {id(p): m for p, m in self._pairs}
+        self._by_id = {id(p): (p, m) for p, m in self._pairs}
         self.names = ParamNames.from_models(self.models, self._pairs)
         self.casts_patched = casts_patched
-        self._release = release_masters
         self.detector = ForwardDetector(self.models) if detect == "forward" else None
         self.fallbacks: dict[str, Fp32Fallback] = {}
         self._last: weakref.WeakKeyDictionary[Any, OverflowReport] = \
@@ -191,20 +193,14 @@ class OverflowWatch:
         """
         from ..scaling.protocol import amp_state_of
 
-        # Any: the protocol's state type (release_masters is its O2 un-split transition)
         states: list[Any] = [s for s in (amp_state_of(o) for o in optimizers) if s is not None]
         pairs: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
         for state in states:
             for half, master in state.masters.pairs():
                 pairs.setdefault(id(half), (half, master))
-
-        def release(done: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
-            for state in states:
-                state.release_masters(done)
-
         return cls(models, list(pairs.values()), on_overflow=props.on_overflow,
                    patience=props.overflow_patience, detect_overflow=props.detect_overflow,
-                   casts_patched=bool(props.patch_torch_functions), release_masters=release,
+                   casts_patched=bool(props.patch_torch_functions),
                    numerics=props.numerics, numerics_every=props.numerics_every,
                    numerics_shadow_every=props.numerics_shadow_every, dtype=props.dtype,
                    loss_scale=loss_scale, keep_fp32=props.keep_fp32,
@@ -303,20 +299,19 @@ class OverflowWatch:
         if name in self.fallbacks:
             return
         module = find_module(self.models, name)
-        pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        master_of = None if self.casts_patched else self._master
         with Journal().atomic() as journal:  # all of the fallback, or none of it
-            if not self.casts_patched:
-                pairs = fp32_params_o2(module, lambda p: self._master_of.get(id(p)), journal)
+            if master_of is not None:
+                float_buffers(module, journal)
             fallback = Fp32Fallback(module, disable_casts=self.casts_patched,
-                                    cast_back=not self.casts_patched)
+                                    cast_back=master_of is not None, master_of=master_of)
             journal.record(fallback.remove)
             journal.setitem(self.fallbacks, name, fallback)
-            if pairs and self._release is not None:  # last: releasing is not undoable
-                self._release(pairs)
         if name not in self.policy.fallback:
             self.policy.fallback.append(name)
-        how = ("O1 casts disabled inside it" if self.casts_patched
-               else f"{len(pairs)} parameters now use their fp32 masters")
+        how = ("O1 casts disabled inside it" if master_of is None else
+               f"{params_with_masters(module, master_of)} parameters computed from their fp32 "
+               "masters")
         if why == "keep_fp32":
             logger.info("ampx: keep_fp32: %s runs in float32 (%s).", name, how)
             return
@@ -326,6 +321,11 @@ class OverflowWatch:
         logger.warning(
             "ampx: %s: %s runs in float32 from now on (%s); "
             "it is recorded in ampx.state_dict() so a resumed run keeps it.", why, name, how)
+
+    def _master(self, param: torch.Tensor) -> torch.Tensor | None:
+        """An O2 half parameter's fp32 master (None: no master, or not a model parameter)."""
+        pair = self._by_id.get(id(param))
+        return pair[1] if pair is not None and pair[0] is param else None
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

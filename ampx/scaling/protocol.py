@@ -195,15 +195,6 @@ class OptimizerAmpState:
         extra = self._skipped_device
         return self._skipped + (int(extra.item()) if extra is not None else 0)
 
-    def release_masters(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Forget these (half model param, master) pairs (their module went back to fp32)."""
-        discard = getattr(self.masters, "discard", None)
-        if discard is None:
-            raise RuntimeError("ampx: this MasterMap cannot discard masters.")
-        for model_param, _ in pairs:
-            discard(model_param)
-        self._cache = None
-
     def pending_flag(self) -> torch.Tensor | None:
         """The overflow flag the next `step()` decides on (None when no checked pass ran)."""
         return self.found_inf if self.stage is Stage.UNSCALED else None

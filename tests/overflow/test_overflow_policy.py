@@ -16,8 +16,9 @@ from ampx.overflow.policy import (
     OverflowPersistsError,
     OverflowPolicy,
     find_module,
-    fp32_params_o2,
+    float_buffers,
 )
+from ampx.scaling.journal import Journal
 from ampx.overflow.report import OverflowReport
 from ampx.scaling.protocol import amp_state_of
 
@@ -179,17 +180,26 @@ def test_o2_fallback_gives_the_module_its_fp32_masters(half_dtype: torch.dtype) 
     x = torch.randn(3, 4)
     if half_dtype == torch.float16:
         assert not torch.isfinite(model(x)).all()
-    swapped = fp32_params_o2(model[1], state.masters.master_of)
+    masters = {id(h): m for h, m in state.masters.pairs()}
     stepped = {id(p) for g in opt.param_groups for p in g["params"]}
-    assert [h for h, _ in swapped] == originals  # the model's own Parameters were split
-    assert all(id(m) in stepped for _, m in swapped)  # the optimizer's own fp32 tensors
-    assert all(p.dtype == torch.float32 for p in model[1].parameters())
-    assert all(p.dtype == half_dtype for p in model[2].parameters())
-    fallback = Fp32Fallback(model[1], disable_casts=False, cast_back=True)
+    assert all(id(masters[id(p)]) in stepped for p in originals)  # the optimizer's own fp32
+    fallback = Fp32Fallback(model[1], disable_casts=False, cast_back=True,
+                            master_of=state.masters.master_of)
     seen: list[torch.dtype] = []
+    weights: list[torch.Tensor] = []
     model[2].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+    model[1].fc.register_forward_pre_hook(lambda m, a: weights.append(m.weight))
     out = model(x)
     assert torch.isfinite(out).all() and seen == [half_dtype]
+    # it computed with the masters, bit for bit ...
+    assert torch.equal(weights[0], masters[id(originals[0])])
+    # ... while the model keeps its own half Parameters (a DDP wrapper made earlier holds
+    # them), and their gradients are where DDP and the unscale look for them
+    assert list(model[1].parameters()) == originals
+    assert all(p.dtype == half_dtype for p in model[1].parameters())
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == half_dtype for p in originals)
+    assert all(masters[id(p)].grad is None for p in originals)
     fallback.remove()
 
 
@@ -198,9 +208,12 @@ def test_nested_fallbacks_keep_fp32_between_them() -> None:
     outer = nn.Sequential(inner)
     seen: list[Any] = []
     inner.register_forward_hook(lambda m, a, out: seen.append((a[0].dtype, out.dtype)))
-    hooks = [Fp32Fallback(outer, disable_casts=False, cast_back=True)]
-    fp32_params_o2(outer, lambda p: nn.Parameter(p.detach().float()))
-    hooks.append(Fp32Fallback(inner, disable_casts=False, cast_back=True))
+    masters = {id(p): nn.Parameter(p.detach().float()) for p in outer.parameters()}
+    hooks = [Fp32Fallback(outer, disable_casts=False, cast_back=True,
+                          master_of=lambda p: masters.get(id(p)))]
+    float_buffers(outer, Journal())
+    hooks.append(Fp32Fallback(inner, disable_casts=False, cast_back=True,
+                              master_of=lambda p: masters.get(id(p))))
     out = outer(torch.ones(1, 2, dtype=torch.float16))
     assert out.dtype == torch.float16 and seen == [(torch.float32, torch.float32)]
     for h in hooks:
