@@ -18,8 +18,8 @@ from ampx.overflow.policy import (
     find_module,
     float_buffers,
 )
-from ampx.scaling.journal import Journal
 from ampx.overflow.report import OverflowReport
+from ampx.scaling.journal import Journal
 from ampx.scaling.protocol import amp_state_of
 
 
