@@ -34,21 +34,18 @@ import statistics
 import subprocess
 import sys
 
+from _child_step import rss_mib as _rss_mib  # benchmarks/ is sys.path[0]
+from _child_step import train_step
+
 CONFIGS = ("fp32", "autocast", "O1", "O2")
 MODELS = {"mlp": "MLP 8 x Linear(1024), batch 64",
           "encoder": "encoder 4 x 512, batch 8"}
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def child(model_key: str, config: str, dtype_name: str, steps: int = 5,
           seq: int = 128) -> dict[str, float]:
     """Runs in the child process: the peak above the baseline, in MiB."""
     import torch
-    import torch.nn.functional as F
     from torch import nn
 
     import ampx
@@ -75,20 +72,8 @@ def child(model_key: str, config: str, dtype_name: str, steps: int = 5,
         amp = ampx.Amp(config, dtype=dtype, verbosity=0)
         model, opt = amp.initialize(model, opt)
     for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        if config == "autocast":
-            with torch.autocast("cpu", dtype=dtype):
-                out = model(x)
-        else:
-            out = model(x)
-        loss = F.mse_loss(out.float(), y)
-        if amp is not None:
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-        else:
-            loss.backward()
-        opt.step()
-        del out, loss
+        train_step(model, opt, x, y, amp,
+                   autocast_dtype=dtype if config == "autocast" else None)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"above": peak - baseline, "baseline": baseline, "peak_before": peak_before}
 

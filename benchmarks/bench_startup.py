@@ -30,12 +30,10 @@ import subprocess
 import sys
 import time
 
+from _child_step import rss_mib as _rss_mib  # benchmarks/ is sys.path[0]
+from _child_step import train_step
+
 CONFIGS = ("O0", "O1", "O2", "O3", "autocast")
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def child(config: str, dtype_name: str) -> dict[str, float]:
@@ -48,7 +46,6 @@ def child(config: str, dtype_name: str) -> dict[str, float]:
     import ampx
     result["import ampx s"], result["import ampx MiB"] = time.perf_counter() - t, _rss_mib() - rss
 
-    import torch.nn.functional as F
     from torch import nn
 
     torch.manual_seed(0)
@@ -68,19 +65,7 @@ def child(config: str, dtype_name: str) -> dict[str, float]:
     result["initialize s"], result["initialize MiB"] = time.perf_counter() - t, _rss_mib() - rss
 
     rss, t = _rss_mib(), time.perf_counter()
-    opt.zero_grad(set_to_none=True)
-    if amp is None:
-        with torch.autocast("cpu", dtype=dtype):
-            out = model(x)
-    else:
-        out = model(x)
-    loss = F.mse_loss(out.float(), y)
-    if amp is not None:
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-    else:
-        loss.backward()
-    opt.step()
+    train_step(model, opt, x, y, amp, autocast_dtype=dtype if amp is None else None)
     result["first step s"], result["first step MiB"] = time.perf_counter() - t, _rss_mib() - rss
     for part in ("dynamo", "inductor"):
         result[f"{part} modules"] = sum(name.startswith(f"torch._{part}") for name in sys.modules)
