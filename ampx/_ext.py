@@ -436,11 +436,35 @@ def unscale_pass(sources: list[torch.Tensor], targets: list[torch.Tensor],
         None (nothing was written), or (found_inf, flags or None, assign, results, clear,
         flag_params), as `ampx/csrc/grad_pass.cpp` describes.
     """
-    native = _impl(inv_scale.device)
-    if native is _reference:
+    native = _impl(inv_scale.device) if not inv_scale.is_cpu else (
+        _state.native if _state.loaded else _ensure_loaded().native)
+    if native is None or native is _reference:
         return None
     return native.unscale_pass(sources, targets, inv_scale, unit, per_tensor, found_inf,
                                written)
+
+
+def assign(triples: tuple[Any, ...]) -> None:
+    """`setattr` for each (object, name, value) of a flat tuple, in order: all or none.
+
+    The commit of a transition: natively one call in which no Python bytecode runs between two
+    assignments, so an interrupt cannot cut it half-way; without the extension the same
+    assignments in Python, put back if one raises (any exception, KeyboardInterrupt included).
+    """
+    native = _state.native if _state.loaded else _ensure_loaded().native
+    if native is not None:
+        native.assign(triples)
+        return
+    done: list[tuple[Any, str, Any]] = []
+    try:
+        for i in range(0, len(triples), 3):
+            obj, name, value = triples[i:i + 3]
+            done.append((obj, name, getattr(obj, name)))
+            setattr(obj, name, value)
+    except BaseException:
+        for obj, name, old in reversed(done):
+            setattr(obj, name, old)
+        raise
 
 
 def with_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -455,9 +479,11 @@ def next_scale_state(state: tuple[torch.Tensor, ...], found_inf: torch.Tensor,
                      rule: tuple[float, float, int, int, float, float]
                      ) -> Optional[tuple[torch.Tensor, ...]]:
     """`LossScaler.next_state` in one native call: (scale, growth tracker, hysteresis
-    tracker, overflows since report, scale before overflow), fresh; None on the reference."""
-    native = _impl(found_inf.device)
-    if native is _reference:
+    tracker, overflows since report, scale before overflow, 1/scale, the scale as a 0-d
+    view), fresh; None on the reference."""
+    native = _impl(found_inf.device) if not found_inf.is_cpu else (
+        _state.native if _state.loaded else _ensure_loaded().native)
+    if native is None or native is _reference:
         return None
     growth, backoff, interval, hysteresis, min_scale, max_scale = rule
     return native.next_scale_state(

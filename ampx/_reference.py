@@ -306,7 +306,8 @@ def copy_(src: Tensors, dst: Tensors) -> None:
         return
     _check_pair("copy_", src, dst)
     flat_src = [s.view(-1) for s in src]
-    flat_dst = [d.view(-1) for d in dst]
+    # detached: writing model parameters needs no `torch.no_grad()` (as the native kernel)
+    flat_dst = [d.detach().view(-1) for d in dst]
     groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for i, (s, d) in enumerate(zip(flat_src, flat_dst)):
         groups.setdefault((s.dtype, d.dtype), []).append(i)

@@ -109,6 +109,7 @@ class Amp:
         self._model_casts: list[ModelCast] = []
         self._o1: patch.O1Patches | None = None
         self.overflow_watch: OverflowWatch | None = None  # provenance, once initialized
+        self._telemetry: telemetry.Telemetry | None = None  # the writer, chosen at initialize
         self._initialized = False
 
     @classmethod
@@ -191,7 +192,7 @@ class Amp:
             self.overflow_watch = OverflowWatch.attach(
                 self.models, self.optimizers, props, loss_scale=self.scalers[0].loss_scale)
         self._initialized = True
-        tel = telemetry.sink()
+        tel = self._telemetry = telemetry.sink()
         if tel is not None:
             tel.emit("init", opt_level=props.opt_level.value, dtype=dtype_name(props.dtype),
                      loss_scale=props.scale, properties=props.as_dict(),
@@ -329,9 +330,14 @@ class Amp:
 
     def record_step(self, optimizer: torch.optim.Optimizer, state: OptimizerAmpState) -> None:
         """Called after every step of an initialized optimizer (telemetry, when enabled)."""
-        tel = telemetry.sink()
+        tel = self._telemetry
+        watch = self.overflow_watch
+        if tel is None:  # (the writer is chosen at initialize: AMPX_TELEMETRY is read there)
+            if watch is not None:
+                watch.step_done()
+            return
         now = time.perf_counter()
-        report = self.overflow_watch.step_done() if self.overflow_watch is not None else None
+        report = watch.step_done() if watch is not None else None
         if tel is not None:
             loss = state.last_loss
             loss_ids = sorted(state.loss_ids) or [0]

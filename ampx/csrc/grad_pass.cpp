@@ -34,6 +34,18 @@ bool kernel_dtype(at::ScalarType t) {
          t == at::ScalarType::BFloat16;
 }
 
+// The Python object a tensor already has (nullptr: none yet), where this torch can tell
+// without making one (`PyObjectSlot::load_pyobj`, recent torch); false where it cannot.
+template <typename Slot>
+auto pyobj_of(const Slot* slot, int, PyObject** out) -> decltype(slot->load_pyobj(), bool()) {
+  *out = slot->load_pyobj();
+  return true;
+}
+template <typename Slot>
+bool pyobj_of(const Slot*, long, PyObject**) {
+  return false;
+}
+
 // A gradient the clean pass takes as it is (the general path's in-place rule, plus what the
 // kernels need): dense, contiguous, a kernel dtype, on `device`, not requiring grad, not an
 // inference tensor, and exactly a torch.Tensor (no subclass: those go the general way).
@@ -42,10 +54,17 @@ bool plain(const at::Tensor& g, const at::Device& device) {
       !g.is_contiguous() || g.requires_grad() || g.is_inference() ||
       g.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python))
     return false;
-  // the Python object (made now if the autograd engine created the gradient: as `.grad`
-  // would) tells a __torch_function__ subclass
-  py::object obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(g));
-  return Py_TYPE(obj.ptr()) == reinterpret_cast<PyTypeObject*>(THPVariableClass);
+  // A __torch_function__ subclass is told by its Python object. A gradient the autograd
+  // engine made has none until `.grad` is read, and then it is a plain torch.Tensor: making
+  // one here only to look at it would cost an allocation per parameter (torch versions
+  // without `load_pyobj` do make it).
+  PyObject* existing = nullptr;
+  if (!pyobj_of(g.unsafeGetTensorImpl()->pyobj_slot(), 0, &existing)) {
+    py::object obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(g));
+    return Py_TYPE(obj.ptr()) == reinterpret_cast<PyTypeObject*>(THPVariableClass);
+  }
+  return existing == nullptr ||
+         Py_TYPE(existing) == reinterpret_cast<PyTypeObject*>(THPVariableClass);
 }
 
 // The tensor behind a list item, or nullptr when it is not one.
@@ -105,6 +124,22 @@ bool collect(const py::list& sources, const py::list& targets, const at::Device&
                     py::reinterpret_borrow<py::object>(src), std::move(g)});
   }
   return true;
+}
+
+// Whether any two gradients overlap in memory (the same tensor twice, or overlapping views
+// of one storage): an in-place unscale would then scale those elements twice.
+bool shares_memory(const std::vector<Entry>& entries) {
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+  spans.reserve(entries.size());
+  for (const Entry& e : entries) {
+    const auto start = reinterpret_cast<uintptr_t>(e.grad.data_ptr());
+    spans.emplace_back(start, start + static_cast<uintptr_t>(e.grad.nbytes()));
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i].first < spans[i - 1].second) return true;
+  }
+  return false;
 }
 
 bool scalar_of(const at::Tensor& t, at::ScalarType dtype, const at::Device& device) {
@@ -186,7 +221,17 @@ py::object next_scale_state(const at::Tensor& scale, const at::Tensor& growth_tr
                           rule_of(growth, backoff, interval, hysteresis, min_scale, max_scale));
   if (!state) return py::none();
   const State& n = *state;
-  return py::make_tuple(wrap(n[0]), wrap(n[1]), wrap(n[2]), wrap(n[3]), wrap(n[4]));
+  // and 1/scale, which the next pass unscales by (torch.reciprocal's value: IEEE division)
+  at::Tensor inv;
+  if (n[0].is_cpu()) {
+    inv = at::empty_like(n[0]);
+    *inv.data_ptr<float>() = 1.0f / *n[0].data_ptr<float>();
+  } else {
+    inv = at::reciprocal(n[0]);
+  }
+  // and the scale as a 0-d view, which the next `scale_loss` multiplies the loss by
+  return py::make_tuple(wrap(n[0]), wrap(n[1]), wrap(n[2]), wrap(n[3]), wrap(n[4]), wrap(inv),
+                        wrap(n[0].view(at::IntArrayRef{})));
 }
 
 // The clean pass (see the file comment). Returns None, or
@@ -224,12 +269,18 @@ py::object unscale_pass(const py::list& sources, const py::list& targets,
   std::vector<Entry> entries;
   if (!collect(sources, targets, device, commit, &entries)) return py::none();
 
-  // Sort as the general path does: fresh buffers first, then the in-place checks.
+  // A committing pass unscales a parameter's own gradient in place, as GradScaler does: the
+  // gradient is this pass's (nothing was there before it), so the undo of a failure anywhere
+  // is dropping it, whatever the kernel left in it. Unless two entries share memory (one
+  // tensor assigned to two parameters, overlapping views): then each gets its own buffer.
+  const bool own_in_place = commit && !shares_memory(entries);
+  // Sort as the general path does: fresh buffers first, then the in-place ones.
   std::vector<const Entry*> fresh, in_place;
   TensorList fresh_src, fresh_dst, in_place_grads;
   for (const Entry& e : entries) {
     const at::Tensor& target = THPVariable_Unpack(e.target.ptr());
-    if (unit && e.grad.scalar_type() == target.scalar_type()) {
+    const bool same_dtype = e.grad.scalar_type() == target.scalar_type();
+    if ((unit && same_dtype) || (own_in_place && e.target.is(e.source))) {
       in_place.push_back(&e);
       in_place_grads.push_back(e.grad);
       continue;
@@ -292,6 +343,35 @@ py::object unscale_pass(const py::list& sources, const py::list& targets,
   return py::make_tuple(wrap(found), flag_obj, assign, results, clear, flag_params);
 }
 
+// Sets every (object, name, value) of a flat tuple, in order: all of them or, when one
+// raises, none (the ones set are put back, then the error propagates). It runs no Python
+// bytecode between two assignments (plain objects: their __dict__; tensors: `.grad`'s C
+// setter), so a KeyboardInterrupt lands before or after all of them: the commit of a
+// transition in one call, where a journal of Python assignments could be cut half-way.
+void assign(const py::tuple& triples) {
+  PyObject* items = triples.ptr();
+  const Py_ssize_t n = PyTuple_GET_SIZE(items);
+  if (n % 3 != 0) throw py::value_error("assign: a flat tuple of (object, name, value)");
+  std::vector<py::object> old;
+  old.reserve(static_cast<size_t>(n / 3));
+  for (Py_ssize_t i = 0; i < n; i += 3) {
+    PyObject* obj = PyTuple_GET_ITEM(items, i);
+    PyObject* name = PyTuple_GET_ITEM(items, i + 1);
+    PyObject* prev = PyObject_GetAttr(obj, name);
+    if (prev != nullptr) old.push_back(py::reinterpret_steal<py::object>(prev));
+    if (prev == nullptr || PyObject_SetAttr(obj, name, PyTuple_GET_ITEM(items, i + 2)) < 0) {
+      py::error_already_set error;  // fetched: the undo below runs with no error set
+      for (Py_ssize_t k = static_cast<Py_ssize_t>(old.size()) - 1 - (prev != nullptr ? 1 : 0);
+           k >= 0; --k) {
+        if (PyObject_SetAttr(PyTuple_GET_ITEM(items, 3 * k),
+                             PyTuple_GET_ITEM(items, 3 * k + 1), old[k].ptr()) < 0)
+          PyErr_Clear();
+      }
+      throw error;
+    }
+  }
+}
+
 // The parameters of `params` that have a gradient (one call instead of a Python loop).
 py::list with_grads(const py::list& params) {
   py::list out;
@@ -317,13 +397,15 @@ void init_grad_pass(py::module& m) {
         arg("unit"), arg("per_tensor"), arg("found_inf") = py::none(),
         arg("written") = py::none(),
         "The clean unscale pass in one call, or None (see grad_pass.cpp).");
+  m.def("assign", &assign, arg("triples"),
+        "setattr for each (object, name, value) of a flat tuple: all or none.");
   m.def("with_grads", &with_grads, arg("params"),
         "The parameters of a list that have a gradient.");
   m.def("next_scale_state", &next_scale_state, arg("scale"), arg("growth_tracker"),
         arg("hysteresis_tracker"), arg("overflows_since_report"),
         arg("scale_before_overflow"), arg("found_inf"), arg("growth"), arg("backoff"),
         arg("interval"), arg("hysteresis"), arg("min_scale"), arg("max_scale"),
-        "LossScaler.next_state in one call: five fresh tensors.");
+        "LossScaler.next_state in one call: five fresh tensors, 1/scale, the 0-d scale.");
 }
 
 }  // namespace ampx

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import array
 import collections.abc
+import operator
 import weakref
 from typing import Any, Callable
 
@@ -46,7 +47,7 @@ def map_tensors(value: Any, fn: _TensorCast, leaf: Callable[[Any], Any] | None =
         return fn(value)
     if isinstance(value, (list, tuple)):
         items = [map_tensors(v, fn, leaf, rebuild) for v in value]
-        if not rebuild and all(a is b for a, b in zip(items, value)):
+        if not rebuild and all(map(operator.is_, items, value)):  # (no generator frame)
             return value
         if not isinstance(value, tuple):
             return items

@@ -270,7 +270,11 @@ class OverflowWatch:
         Resets the policy's consecutive-skip count on a clean step and clears the
         forward records (no host sync).
         """
-        report, self._skipped = self._skipped, None
+        report = self._skipped
+        if (report is None and self.numerics is None and self.detector is None
+                and not self.fallbacks and not self.policy.consecutive):
+            return None  # the usual clean step: nothing to reset, record or heal
+        self._skipped = None
         if report is None:
             self.on_clean()
         if self.numerics is not None:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .journal import Journal
+from .. import _ext
 
 __all__ = ["STATE_VERSION", "CheckpointError", "check_entry", "load", "new_state"]
 
@@ -53,7 +53,7 @@ class ScalerLike(Protocol):
 
     def loss_scale(self) -> float: ...  # noqa: D102
 
-    def commit(self, journal: Journal, new: Mapping[str, torch.Tensor]) -> None: ...  # noqa: D102
+    def commit(self, new: Mapping[str, torch.Tensor]) -> list[Any]: ...  # noqa: D102
 
 
 def _fail(message: str) -> CheckpointError:
@@ -235,10 +235,4 @@ def load(scalers: Sequence[ScalerLike], state_dict: Mapping[str, Any],
     if names is None and len(state_dict) != len(scalers):
         warnings.warn(f"ampx.load_state_dict: state_dict contains {len(state_dict)} entries, "
                       f"while {len(scalers)} loss_scalers are used.", stacklevel=stacklevel + 1)
-    journal = Journal()
-    try:
-        for scaler, tensors in new:
-            scaler.commit(journal, tensors)
-    except BaseException:
-        journal.rollback()
-        raise
+    _ext.assign(tuple(item for scaler, tensors in new for item in scaler.commit(tensors)))

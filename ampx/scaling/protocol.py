@@ -36,7 +36,6 @@ flag agreement, overflow reporting, telemetry) arrives as a `SessionHooks` at `a
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -49,6 +48,7 @@ import torch
 from .. import _ext
 from . import masters as _masters
 from . import unscale
+from .decision import StepDecision, copy_masters, creates_state, version_mark
 from .journal import Journal
 from .masters import MasterMap, ParamCache, grad_mark, optimizer_params
 
@@ -71,6 +71,9 @@ class Stage(Enum):
 
 def _noop(*args: Any) -> None:
     return None
+
+
+_FROM_READY = (Stage.READY, None)  # `_entry` of a pass begun from READY
 
 
 @dataclass(frozen=True)
@@ -97,21 +100,6 @@ class SessionHooks:
     on_overflow: Callable[[Sequence[int]], None] = _noop
     on_skip: Callable[[torch.optim.Optimizer, OptimizerAmpState], None] = _noop
     on_step: Callable[[torch.optim.Optimizer, OptimizerAmpState], None] = _noop
-
-
-@dataclass(eq=False)
-class StepDecision:
-    """The pre-hook's decision, committed by the post-hook (discarded if step raised)."""
-
-    skip: bool = False
-    flag: torch.Tensor | None = None  # fused path: the device flag handed to the optimizer
-    # (a stepped parameter, its version before the step): a changed version means the
-    # optimizer's update ran, even if the step was interrupted before the post hook
-    mark: tuple[torch.Tensor, int] | None = None
-
-    def updated(self) -> bool:
-        """Whether the optimizer changed its parameters since the decision (no sync)."""
-        return self.mark is not None and self.mark[0]._version != self.mark[1]
 
 
 @dataclass(eq=False)
@@ -154,7 +142,7 @@ class OptimizerAmpState:
     _cache: ParamCache | None = None
     # the masters a clean native pass gave a gradient (it appends them itself): their undo
     written: list[torch.Tensor] = field(default_factory=list)
-    # where the block of the pass in SCALING is (`scaled_pass.Opening`; None: apex's begin)
+    # the pass in SCALING (`scaled_pass.ScaledPass`: where its block is; None: apex's begin)
     _opening: Any = None
 
     # -- views -----------------------------------------------------------------------------
@@ -166,6 +154,15 @@ class OptimizerAmpState:
 
     def cache(self, optimizer: torch.optim.Optimizer) -> ParamCache:
         """The parameter views, after adopting groups added since the last call."""
+        groups = optimizer.param_groups
+        cache = self._cache
+        if cache is not None and len(groups) == self._groups_seen == 1:
+            # the usual optimizer (one group, unchanged): `masters.signature`'s test, inline
+            params = groups[0]["params"]
+            mark = cache.signature[0]
+            if (id(params) == mark[0] and len(params) == mark[1] and params
+                    and id(params[0]) == mark[2] and id(params[-1]) == mark[3]):
+                return cache
         self._groups_seen = _masters.adopt_new_groups(
             optimizer, self.masters, self._groups_seen, self.policy.master_weights)
         self._cache = _masters.build_cache(optimizer, self.masters, self._cache)
@@ -223,21 +220,20 @@ class OptimizerAmpState:
         if decision is None or not decision.updated():
             return
         cache = self.cache(optimizer)
-        error = _copy_masters(cache) if cache.pairs and not decision.skip else None
+        error = copy_masters(cache) if cache.pairs and not decision.skip else None
         self._commit_step(cache, decision)
         self.policy.on_step(optimizer, self)  # the step's end, late (telemetry, detector)
         if error is not None:
             raise error
 
     # -- transitions around backward ---------------------------------------------------------
-    def begin_backward(self, optimizer: torch.optim.Optimizer,
-                       journal: Journal | None = None, opening: Any = None) -> None:
+    def begin_backward(self, optimizer: torch.optim.Optimizer, opening: Any = None) -> None:
         """READY/UNSCALED/SCALED -> SCALING: move earlier gradients aside for this pass.
 
-        With `journal` (a `ScaledPass` beginning over several optimizers) the changes are
-        recorded there and the caller rolls back; else this call is its own transaction.
-        `opening` says where the pass's block is (`scaled_pass.Opening`, for
-        `heal_abandoned`).
+        All or nothing: the stage is set last, so an exception (or an interrupt) before it
+        leaves the optimizer where it was. `opening` is the pass (`scaled_pass.ScaledPass`,
+        which knows where its block is): `heal_abandoned` asks it, and the pass aborts exactly
+        the optimizers that carry it.
 
         Parameters the optimizer steps have their gradient stashed (added back to this pass's
         unscaled gradient at the end). The half model parameters behind masters have theirs
@@ -247,7 +243,17 @@ class OptimizerAmpState:
         nothing moves (gradients accumulate scaled, so DDP's last all-reduce sees all of them);
         the gradients' identities and versions are recorded instead.
         """
-        if self.stage is Stage.SCALING and not self.heal_abandoned(optimizer):
+        stage = self.stage
+        if (stage is Stage.READY and self._decision is None and not self.stash
+                and not self.dropped and not self.masters.watching):
+            # the usual pass (after zero_grad): nothing to set aside unless a gradient
+            # appeared since; three plain assignments, the stage last
+            if not _ext.with_grads(self.cache(optimizer).sources):
+                self._entry = _FROM_READY
+                self._opening = opening
+                self.stage = Stage.SCALING
+                return
+        if stage is Stage.SCALING and not self.heal_abandoned(optimizer):
             raise RuntimeError(
                 "ampx.scale_loss: this optimizer is already inside a scale_loss block; nest "
                 "no scale_loss blocks over the same optimizer (finish the first one)."
@@ -257,8 +263,7 @@ class OptimizerAmpState:
         if self._decision is not None:
             self._heal(optimizer)
         cache = self.cache(optimizer)
-        own = journal is None
-        journal = Journal() if journal is None else journal
+        journal = Journal()
         stage = self.stage
         try:
             if stage is Stage.SCALED:
@@ -271,8 +276,7 @@ class OptimizerAmpState:
             journal.set(self, "_opening", opening)
             journal.set(self, "stage", Stage.SCALING)
         except BaseException:
-            if own:
-                journal.rollback()
+            journal.rollback()
             raise
 
     def _set_aside(self, journal: Journal, cache: ParamCache) -> None:
@@ -336,44 +340,52 @@ class OptimizerAmpState:
             journal.rollback()
             raise
 
-    def commit_delayed(self, journal: Journal) -> None:
-        """SCALING -> SCALED (a `delay_unscale` pass): the scaled gradients stay in `.grad`."""
-        assert self._entry is not None  # set by begin_backward
-        if self._entry[0] is not Stage.SCALED:
-            journal.set(self, "_before_delay", self._entry[0])
-        journal.set(self, "_entry", None)
-        journal.set(self, "_opening", None)
-        journal.set(self, "stage", Stage.SCALED)
+    def commit_delayed(self) -> list[Any]:
+        """SCALING -> SCALED (a `delay_unscale` pass): the scaled gradients stay in `.grad`.
 
-    def commit_unscale(self, journal: Journal, work: unscale.UnscaleWork,
-                       flag: torch.Tensor | None, loss_id: int | None,
-                       loss: torch.Tensor, per_tensor: torch.Tensor | None = None) -> None:
-        """SCALING -> UNSCALED: assign the computed gradients, the flag and the bookkeeping."""
+        Returns the commit as flat (object, name, value) assignments, for `ampx._ext.assign`.
+        """
+        assert self._entry is not None  # set by begin_backward
+        out: list[Any] = []
+        if self._entry[0] is not Stage.SCALED:
+            out += (self, "_before_delay", self._entry[0])
+        out += (self, "_entry", None, self, "_opening", None, self, "stage", Stage.SCALED)
+        return out
+
+    def commit_unscale(self, work: unscale.UnscaleWork, flag: torch.Tensor | None,
+                       loss_id: int | None, loss: torch.Tensor,
+                       per_tensor: torch.Tensor | None = None) -> list[Any]:
+        """SCALING -> UNSCALED: the computed gradients, the flag and the bookkeeping.
+
+        Returns the commit as flat (object, name, value) assignments, for `ampx._ext.assign`
+        (the pass commits every optimizer's and the scaler's in one call); nothing is set here.
+        """
+        out: list[Any] = []
         for (param, _, _), grad in zip(work.assign, work.results):
             if param.grad is not grad:  # a gradient checked in place is already there
-                journal.set(param, "grad", grad)
+                out += (param, "grad", grad)
         for model_param in work.clear:
-            journal.set(model_param, "grad", None)
+            out += (model_param, "grad", None)
         for param, _ in self.dropped.values():
             if param.grad is not None and all(param is not p for p in work.clear):
-                journal.set(param, "grad", None)
+                out += (param, "grad", None)
         if self.stash:
-            journal.set(self, "stash", {})
+            out += (self, "stash", {})
         if self.dropped:
-            journal.set(self, "dropped", {})
+            out += (self, "dropped", {})
         if self.written:  # committed: no undo for them any more
-            journal.set(self, "written", [])
-        journal.set(self, "_entry", None)
-        journal.set(self, "_opening", None)
+            out += (self, "written", [])
         if flag is not None:
-            journal.set(self, "found_inf", flag)
+            out += (self, "found_inf", flag)
         if loss_id is not None:
-            journal.set(self, "loss_ids", self.loss_ids | {loss_id})
+            if loss_id not in self.loss_ids:
+                out += (self, "loss_ids", self.loss_ids | {loss_id})
             if per_tensor is not None:
-                journal.set(self, "overflow_flags",
-                            (*self.overflow_flags, (loss_id, work.flag_params, per_tensor)))
-        journal.set(self, "last_loss", loss)
-        journal.set(self, "stage", Stage.UNSCALED)
+                out += (self, "overflow_flags",
+                        (*self.overflow_flags, (loss_id, work.flag_params, per_tensor)))
+        out += (self, "last_loss", loss, self, "_entry", None, self, "_opening", None,
+                self, "stage", Stage.UNSCALED)
+        return out
 
     def next_flag(self, found: torch.Tensor) -> torch.Tensor:
         """The step flag after folding in one pass's `found` (a tensor nobody writes later).
@@ -427,28 +439,31 @@ class OptimizerAmpState:
            optimizers that take `found_inf` (`_step_supports_amp_scaling`) get the device
            flag instead and skip inside their kernel: no sync.
         """
-        if self.stage is Stage.SCALING:
+        stage = self.stage
+        if stage is Stage.SCALING:
             self.heal_abandoned(optimizer)
-        if self.stage in (Stage.SCALING, Stage.SCALED):
+            stage = self.stage
+        if stage is Stage.SCALING or stage is Stage.SCALED:
             raise RuntimeError(
                 "optimizer.step() was called while gradients are still scaled: the last "
                 "scale_loss(..., delay_unscale=True) must be followed by a scale_loss without "
-                "delay_unscale before step()." if self.stage is Stage.SCALED else
+                "delay_unscale before step()." if stage is Stage.SCALED else
                 "optimizer.step() was called inside a scale_loss block; step after the block."
             )
-        self.use_masters()
-        self._heal(optimizer)
+        if self.masters.watching:
+            self.masters.follow()
+        if self._decision is not None:
+            self._heal(optimizer)
         cache = self.cache(optimizer)
-        decision = StepDecision()
+        skip, flag = False, None
         found = self.found_inf
         if self.stage is Stage.UNSCALED and found is not None and self.policy.skips:
             if getattr(optimizer, "_step_supports_amp_scaling", False) and \
-                    not _creates_state(optimizer, cache):
-                decision.flag = found
+                    not creates_state(optimizer, cache):
+                flag = found
             else:
-                decision.skip = bool(found.item())  # the one host sync of a step
-        decision.mark = _version_mark(cache)
-        self._decision = decision
+                skip = bool(found.item())  # the one host sync of a step
+        decision = self._decision = StepDecision(skip, flag, version_mark(cache), cache)
         return decision
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -458,85 +473,48 @@ class OptimizerAmpState:
         on the reference path, the step is committed, and the error is re-raised.
         """
         decision = self._decision or StepDecision()
-        cache = self.cache(optimizer)
+        cache = decision.cache or self.cache(optimizer)
         error: BaseException | None = None
         if cache.pairs and not decision.skip:
-            error = _copy_masters(cache)
-        try:
-            if decision.skip:
+            error = copy_masters(cache)
+        if decision.skip:
+            try:
                 self.policy.on_overflow(sorted(self.loss_ids))
                 self.policy.on_skip(optimizer, self)
-        finally:
+            finally:
+                self._commit_step(cache, decision)
+        else:
             self._commit_step(cache, decision)
         self.policy.on_step(optimizer, self)
         if error is not None:
             raise error
 
     def _commit_step(self, cache: ParamCache, decision: StepDecision) -> None:
-        """The step's bookkeeping, all or nothing: an interrupt half-way leaves the step
-        pending (`_decision` set), and the next entry completes it again (`_heal`)."""
-        for master in _ext.with_grads(cache.masters):  # as apex: the step consumes them
-            master.grad = None
-        journal = Journal()
-        try:
-            journal.set(self, "steps", self.steps + 1)
-            if decision.flag is not None:
-                skip = decision.flag.reshape(()) > 0
-                journal.set(self, "_last_skip", skip)
-                journal.set(self, "_skipped_device", skip.int() if self._skipped_device is None
-                            else self._skipped_device + skip.int())
-            else:
-                journal.set(self, "_last_skip", decision.skip)
-                if decision.skip:
-                    journal.set(self, "_skipped", self._skipped + 1)
-            journal.set(self, "found_inf", None)
-            if self.loss_ids:
-                journal.set(self, "loss_ids", frozenset())
-            if self.overflow_flags:
-                journal.set(self, "overflow_flags", ())
-            journal.set(self, "stage", Stage.READY)
-            journal.set(self, "_decision", None)  # last: until here the step is pending
-        except BaseException:
-            journal.rollback()
-            raise
-
-
-def _version_mark(cache: ParamCache) -> tuple[torch.Tensor, int] | None:
-    """(first stepped parameter with a gradient, its version): what `updated` compares."""
-    for param in itertools.chain(cache.masters, cache.others):
-        if param.grad is not None:
-            return param, param._version
-    return None
-
-
-def _creates_state(optimizer: torch.optim.Optimizer, cache: ParamCache) -> bool:
-    """Whether this fused step would create torch SGD momentum buffers (a first step).
-
-    Such a step is decided on the host, not in the fused kernel: torch's fused SGD allocates
-    its momentum buffers with `empty_like` and its kernel returns early on `found_inf`, so a
-    skipped first step would leave garbage momentum behind. (Fused Adam/AdamW make zeros and
-    take their step counts back; Adagrad makes its state at construction.)
-    """
-    if not isinstance(optimizer, torch.optim.SGD):
-        return False
-    state = optimizer.state
-    if len(state) >= len(cache.params):  # the usual case: every parameter has its buffer
-        return False
-    return any(group.get("momentum", 0) != 0 and p.grad is not None
-               and "momentum_buffer" not in state.get(p, {})
-               for group in optimizer.param_groups for p in group["params"])
-
-
-def _copy_masters(cache: ParamCache) -> BaseException | None:
-    """Copy the masters into the half model params; on failure redo it with plain torch."""
-    with torch.no_grad():
-        try:
-            _ext.copy_(cache.masters, cache.models)
-            return None
-        except BaseException as exc:
-            for master, model in zip(cache.masters, cache.models):
-                model.copy_(master)
-            return exc
+        """The step's bookkeeping, all or nothing (one `ampx._ext.assign`): an interrupt
+        before it leaves the step pending (`_decision` set), and the next entry completes it
+        again (`_heal`)."""
+        if cache.masters:
+            for master in _ext.with_grads(cache.masters):  # as apex: the step consumes them
+                master.grad = None
+        out: list[Any] = [self, "steps", self.steps + 1]
+        if decision.flag is not None:
+            skip = decision.flag.reshape(()) > 0
+            out += (self, "_last_skip", skip, self, "_skipped_device",
+                    skip.int() if self._skipped_device is None
+                    else self._skipped_device + skip.int())
+        else:
+            if self._last_skip is not decision.skip:
+                out += (self, "_last_skip", decision.skip)
+            if decision.skip:
+                out += (self, "_skipped", self._skipped + 1)
+        if self.found_inf is not None:
+            out += (self, "found_inf", None)
+        if self.loss_ids:
+            out += (self, "loss_ids", frozenset())
+        if self.overflow_flags:
+            out += (self, "overflow_flags", ())
+        out += (self, "stage", Stage.READY, self, "_decision", None)  # until here: pending
+        _ext.assign(tuple(out))
 
 
 def unwrap(optimizer: Any) -> Any:

@@ -23,10 +23,10 @@ refused) had moved. `abort` is idempotent, so the caller may call it on any exce
 An interrupt can land where no guard of the block can run: at the entry of `__exit__`, before
 its first line (a signal handled at the function's start, a tracer's `call` event). Then the
 optimizers stay in SCALING with no exit to come. Each pass therefore records where its block
-is (`Opening`: the thread, the frame of the `with` and the offset of its entry); the next
-entry of the protocol (`scale_loss`, `zero_grad`, `step`) that finds an optimizer in SCALING
-asks `Opening.over`, and aborts the pass if its block is gone (its frame returned or unwound,
-or that frame is back at or before the `with`, as the next iteration of a loop is).
+is (the thread, the frame of the `with` and the offset of its entry); the next entry of the
+protocol (`scale_loss`, `zero_grad`, `step`) that finds an optimizer in SCALING asks the pass
+(`ScaledPass.over`), and aborts it if its block is gone (its frame returned or unwound, or
+that frame is back at or before the `with`, as the next iteration of a loop is).
 """
 
 from __future__ import annotations
@@ -41,37 +41,10 @@ import torch
 from .. import _ext
 from ..o1 import patch
 from . import unscale
-from .journal import Journal
-from .protocol import OptimizerAmpState, unwrap
+from .protocol import ATTR, OptimizerAmpState, unwrap
 from .scaler import LossScaler
 
-__all__ = ["Opening", "ScaleLossBlock", "ScaledPass"]
-
-
-class Opening:
-    """Where a scaled pass's `with` block is: its thread, its frame, the offset of its entry.
-
-    An interrupt at the entry of the block's `__exit__` (before its first line) leaves the
-    optimizers in SCALING with no exit to come; the next entry of the protocol asks `over`
-    and aborts such a pass (`OptimizerAmpState.heal_abandoned`).
-    """
-
-    __slots__ = ("thread", "frame", "offset")
-
-    def __init__(self, thread: int, frame: Any, offset: int) -> None:
-        self.thread, self.frame, self.offset = thread, frame, offset
-
-    def over(self) -> bool:
-        """Whether the block is gone: its frame left this thread's stack, or is back at (or
-        before) the `with` (a loop's next iteration); a live other thread's block is not."""
-        if self.thread != threading.get_ident():
-            return all(t.ident != self.thread for t in threading.enumerate())
-        frame: Any = sys._getframe(1)
-        while frame is not None:
-            if frame is self.frame:
-                return bool(frame.f_lasti <= self.offset)
-            frame = frame.f_back
-        return True
+__all__ = ["ScaleLossBlock", "ScaledPass"]
 
 
 class ScaledPass:
@@ -82,45 +55,69 @@ class ScaledPass:
         states: Their ampx states, in the same order.
         scaler: The loss scaler of this pass.
         sync: Agrees on the overflow flag across ranks (in place); None when single.
+        frame: The frame of the pass's `with` statement, at its entry. Each optimizer `begin`
+            moves carries the pass as its opening (`OptimizerAmpState._opening`): `abort`
+            acts on exactly those, and a later entry asks `over` whether the block is gone.
+            None: the optimizers were moved to SCALING elsewhere (apex's
+            `_prepare_amp_backward`), and `abort` acts on all of them.
     """
 
-    __slots__ = ("pairs", "scaler", "sync", "_begun", "_began_here")
+    __slots__ = ("pairs", "scaler", "sync", "thread", "frame", "offset")
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer],
                  states: Sequence[OptimizerAmpState], scaler: LossScaler,
-                 sync: Callable[[torch.Tensor], None] | None = None) -> None:
+                 sync: Callable[[torch.Tensor], None] | None = None,
+                 frame: Any = None) -> None:
         self.pairs = list(zip(optimizers, states))
         self.scaler = scaler
         self.sync = sync
-        self._begun = Journal()  # begin's changes: non-empty once any optimizer moved
-        self._began_here = False  # False: the optimizers were moved to SCALING elsewhere
-        # (apex's _prepare_amp_backward), and `abort` acts on all of them
+        self.frame = frame  # where the block is: its thread, its frame, its entry offset
+        if frame is not None:
+            self.thread, self.offset = threading.get_ident(), frame.f_lasti
 
-    def begin(self, opening: Opening | None = None) -> None:
-        """Every optimizer to SCALING, or none (a failure rolls back the ones already moved).
+    @property
+    def opening(self) -> ScaledPass | None:
+        """What the optimizers this pass moves carry (the pass; None: begun elsewhere)."""
+        return None if self.frame is None else self
 
-        `opening`: where the block is, for a later entry to tell an abandoned pass.
+    def over(self) -> bool:
+        """Whether the block is gone: its frame left this thread's stack, or is back at (or
+        before) the `with` (a loop's next iteration); a live other thread's block is not.
+
+        An interrupt at the entry of the block's `__exit__` (before its first line) leaves the
+        optimizers in SCALING with no exit to come; the next entry of the protocol asks this
+        and aborts such a pass (`OptimizerAmpState.heal_abandoned`).
         """
-        self._began_here = True
+        if self.thread != threading.get_ident():
+            return all(t.ident != self.thread for t in threading.enumerate())
+        frame: Any = sys._getframe(1)
+        while frame is not None:
+            if frame is self.frame:
+                return bool(frame.f_lasti <= self.offset)
+            frame = frame.f_back
+        return True
+
+    def begin(self) -> None:
+        """Every optimizer to SCALING, or none (a failure aborts the ones already moved)."""
+        opening = self.opening
         try:  # (not `Journal.atomic`: this runs every step, and a generator costs)
             for opt, state in self.pairs:
-                state.begin_backward(opt, self._begun, opening)
+                state.begin_backward(opt, opening)
         except BaseException:
-            self._begun.rollback()
+            self.abort()
             raise
 
     def abort(self) -> None:
         """Every optimizer this pass moved back to where it was before `begin` (idempotent).
 
-        After `end` committed (stage UNSCALED or SCALED) there is nothing to abort: each
-        optimizer's `abort_backward` acts in SCALING only. A pass whose `begin` ran elsewhere
-        (apex's `_prepare_amp_backward`) aborts every optimizer it holds.
+        Only optimizers still in SCALING with this pass's opening are touched: after `end`
+        committed (stage UNSCALED or SCALED) there is nothing to abort, and an optimizer that
+        another pass moved (a nested `scale_loss`, refused) is left alone.
         """
-        if self._began_here and not len(self._begun):
-            return
+        opening = self.opening
         for opt, state in reversed(self.pairs):
-            state.abort_backward(opt)
-        self._begun.forget()
+            if opening is None or state._opening is opening:
+                state.abort_backward(opt)
 
     def end(self, loss: torch.Tensor, *, loss_id: int, delay_unscale: bool = False,
             check: bool = True) -> None:
@@ -135,20 +132,21 @@ class ScaledPass:
         On any exception the pass is aborted: every optimizer is as before `begin`.
         """
         try:
-            self._end(loss, loss_id, delay_unscale, check)
+            _ext.assign(self._end(loss, loss_id, delay_unscale, check))
         except BaseException:
             self.abort()
             raise
-        self._begun.forget()  # committed: nothing left to abort
-        self._began_here = True
 
-    def _end(self, loss: torch.Tensor, loss_id: int, delay_unscale: bool, check: bool) -> None:
-        journal = Journal()
+    def _end(self, loss: torch.Tensor, loss_id: int, delay_unscale: bool,
+                check: bool) -> tuple[Any, ...]:
+        """Compute the pass; return its commit (flat assignments for `ampx._ext.assign`).
+
+        The clean native pass has assigned its gradients already (its undo: `abort`)."""
+        out: list[Any] = []
         if delay_unscale:
-            with journal.atomic():
-                for _, state in self.pairs:
-                    state.commit_delayed(journal)
-            return
+            for _, state in self.pairs:
+                out += state.commit_delayed()
+            return tuple(out)
         scaler = self.scaler
         found: torch.Tensor | None = None  # made by the first optimizer's kernel call
         inv_scale = scaler.inv_scale()
@@ -157,12 +155,12 @@ class ScaledPass:
         flags: list[torch.Tensor | None] = []
         for opt, state in self.pairs:
             cache = state.cache(opt)
-            out = None if state.stash else _ext.unscale_pass(
+            out_ = None if state.stash else _ext.unscale_pass(
                 cache.sources, cache.targets, inv_scale, unit, state.policy.per_tensor, found,
                 state.written)
-            if out is not None:  # the usual pass: checked, unscaled and assigned in one call
-                found, flag, _, _, _, flag_params = out
-                work = unscale.UnscaleWork([], [], [], flag_params)
+            if out_ is not None:  # the usual pass: checked, unscaled and assigned in one call
+                found, flag, _, _, _, flag_params = out_
+                work = unscale.UnscaleWork(_NONE, _NONE, _NONE, flag_params)
             else:
                 if found is None:
                     found = torch.zeros(1, dtype=torch.float32, device=scaler.device)
@@ -172,21 +170,17 @@ class ScaledPass:
             works.append(work)
         if found is None:  # no optimizer
             found = torch.zeros(1, dtype=torch.float32, device=scaler.device)
-        new_scaler = None
         if check:
             if self.sync is not None:
                 self.sync(found)
-            new_scaler = scaler.next_state(found)
-        try:
-            for (_, state), work, per in zip(self.pairs, works, flags):
-                flag = state.next_flag(found) if check and state.policy.skips else None
-                state.commit_unscale(journal, work, flag, loss_id if check else None, loss,
-                                     per)
-            if new_scaler is not None:
-                scaler.commit(journal, new_scaler)
-        except BaseException:
-            journal.rollback()
-            raise
+            out += scaler.commit(scaler.next_state(found))
+        for (_, state), work, per in zip(self.pairs, works, flags):
+            flag = state.next_flag(found) if check and state.policy.skips else None
+            out += state.commit_unscale(work, flag, loss_id if check else None, loss, per)
+        return tuple(out)
+
+
+_NONE: list[Any] = []  # (read-only) the empty lists of a clean pass's work
 
 
 class _Session(Protocol):
@@ -237,9 +231,15 @@ class ScaleLossBlock:
             self._mode = "off"
             return loss
         optimizers = self._optimizers
-        opts = [unwrap(opt) for opt in optimizers] if isinstance(optimizers, (list, tuple)) \
-            else [] if optimizers is None else [unwrap(optimizers)]  # Lightning's, ...
-        states = [amp._state_of(opt) for opt in opts]
+        state = vars(optimizers).get(ATTR) if isinstance(optimizers, torch.optim.Optimizer) \
+            else None
+        if state is not None and state.owner is amp:  # the usual call: one optimizer
+            opts, states = [optimizers], [state]
+        else:
+            opts = [unwrap(opt) for opt in optimizers] if isinstance(
+                optimizers, (list, tuple)) else [] if optimizers is None \
+                else [unwrap(optimizers)]  # Lightning's, ...
+            states = [amp._state_of(opt) for opt in opts]
         scalers = amp.scalers
         if not 0 <= loss_id < len(scalers):
             raise IndexError(
@@ -252,12 +252,11 @@ class ScaleLossBlock:
             # written since (`_loss_scale = 4.0`, apex's L0 tests) scales and unscales
             self._mode, self._states = "short", states
             return loss.float()
-        frame = sys._getframe(1)  # the `with` statement's frame, at its entry
-        opening = Opening(threading.get_ident(), frame, frame.f_lasti)
-        scaled = self._pass = ScaledPass(opts, states, scaler, amp.synchronize_found_inf)
+        scaled = self._pass = ScaledPass(  # with the `with` statement's frame, at its entry
+            opts, states, scaler, amp.synchronize_found_inf, sys._getframe(1))
         self._mode = "scaled"
         try:
-            scaled.begin(opening)
+            scaled.begin()
             value = scaler.scale_loss_value(loss)
             _drop_weight_casts()
             return value
@@ -281,7 +280,7 @@ class ScaleLossBlock:
             if exc_type is not None:
                 scaled.abort()
                 return
-            try:
+            try:  # (`end` aborts on its own failures; this also covers its entry)
                 scaled.end(self._loss.detach(), loss_id=self._loss_id,
                            delay_unscale=self._delay_unscale, check=self._check)
             except BaseException:
@@ -292,7 +291,8 @@ class ScaleLossBlock:
 
 
 def _drop_weight_casts() -> None:
-    """`scale_loss` began (the forward is done): the weight-cast cache lets go.
+    """`scale_loss` began (the forward is done): the weight-cast cache lets go (as autocast's
+    does at its exit).
 
     Backward holds the casts it needs (saved tensors) and frees each as it goes; the cache
     holding them too kept every half weight copy alive through backward and the unscale

@@ -2,8 +2,8 @@
 
 The scale, growth tracker and hysteresis tracker live on the gradients' device and are updated
 there by the kernel contract's `update_scale_`, so scaling never waits for the host. Updates
-are transactional: `next_state` computes the new state into fresh tensors and `commit`
-installs it (the scaled-backward protocol commits it together with the gradients).
+are transactional: `next_state` computes the new state into fresh tensors and `commit` lists
+the assignments that install it (the scaled pass applies them together with the gradients').
 
 Host synchronisation, all of it:
 
@@ -31,7 +31,6 @@ import torch
 from .. import _ext
 from ..options.levels import DEFAULTS, LossScale
 from . import checkpoint
-from .journal import Journal
 
 __all__ = ["LossScaler", "STATE_VERSION"]
 
@@ -50,6 +49,7 @@ _float, _mul, _reshape = torch._C.TensorBase.float, torch._C.TensorBase.mul, \
     torch._C.TensorBase.reshape
 _TENSORS = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_overflows_since_report",
             "_scale_before_overflow")
+_DERIVED = ("_inv_cache", "_scale_view")  # what the fused update also makes (else lazily)
 
 
 class LossScaler:
@@ -123,6 +123,7 @@ class LossScaler:
         # (scale tensor, its version) while a static scale is known on the host to be 1.0
         self._unit_mark: tuple[torch.Tensor, int] | None = None
         self._inv_cache: tuple[torch.Tensor, int, torch.Tensor] | None = None  # inv_scale
+        self._scale_view: tuple[torch.Tensor, torch.Tensor] | None = None  # (scale, 0-d view)
         self._mark_unit(not self.dynamic and start == 1.0)
 
     # -- device placement -------------------------------------------------------------
@@ -172,8 +173,12 @@ class LossScaler:
         loss = _float(loss)
         if self.unit_scale():
             return loss
-        scale = self._scale if loss.device == self._scale.device else self._scale.to(loss.device)
-        return _mul(loss, _reshape(scale, ()))
+        scale, view = self._scale, self._scale_view
+        if view is None or view[0] is not scale:  # a view: in-place writes show through
+            view = self._scale_view = (scale, _reshape(scale, ()))
+        if loss.get_device() != scale.get_device():  # (ints: no device objects)
+            return _mul(loss, view[1].to(loss.device))
+        return _mul(loss, view[1])
 
     def inv_scale(self) -> torch.Tensor:
         """1 / scale as a float32 tensor of shape [1] (no sync); treat it as read-only.
@@ -191,13 +196,7 @@ class LossScaler:
 
     def update_(self, found_inf: torch.Tensor) -> None:
         """Update the scale after one backward pass; `found_inf` is a float32 [1] flag."""
-        journal = Journal()
-        new = self.next_state(found_inf)
-        try:
-            self.commit(journal, new)
-        except BaseException:
-            journal.rollback()
-            raise
+        _ext.assign(tuple(self.commit(self.next_state(found_inf))))
 
     @property
     def floor(self) -> float:
@@ -207,17 +206,21 @@ class LossScaler:
             return float(self.min_loss_scale)
         return min(_DEFAULT_FLOOR, self._start)
 
-    def next_state(self, found_inf: torch.Tensor) -> dict[str, torch.Tensor]:
+    def next_state(self, found_inf: torch.Tensor) -> dict[str, Any]:
         """The state after one backward pass with flag `found_inf`, as fresh tensors.
 
         Nothing of the scaler changes; `commit` installs the result (the transactional half
         of `update_`, used by the scaled-backward protocol).
         """
-        found = found_inf if found_inf.device == self.device else found_inf.to(self.device)
+        found = found_inf if found_inf.get_device() == self._scale.get_device() \
+            else found_inf.to(self.device)  # (`get_device`: an int, no device object)
         rule = self.rule
         fused = _ext.next_scale_state(self.tensors(), found, rule)
-        if fused is not None:  # the same five ops as below, in one native call
-            return dict(zip(_TENSORS, fused))
+        if fused is not None:  # the same five ops as below, in one native call (and 1/scale)
+            fresh: dict[str, Any] = dict(zip(_TENSORS, fused))
+            fresh["_inv_cache"] = (fused[0], fused[0]._version, fused[5])
+            fresh["_scale_view"] = (fused[0], fused[6])
+            return fresh
         # the three the kernel updates in place are cloned; the other two are computed anew
         new = {name: getattr(self, name).clone() for name in _TENSORS[:3]}
         # remember the scale in force before the first overflow not yet reported (for the log)
@@ -243,18 +246,24 @@ class LossScaler:
         return (self._scale, self._growth_tracker, self._hysteresis_tracker,
                 self._overflows_since_report, self._scale_before_overflow)
 
-    def commit(self, journal: Journal, new: Mapping[str, torch.Tensor]) -> None:
-        """Install a state made by `next_state` (or a checkpoint load) through `journal`.
+    def commit(self, new: Mapping[str, Any]) -> list[Any]:
+        """The assignments that install a state made by `next_state` (or a checkpoint load):
+        flat (object, name, value) triples for `ampx._ext.assign`; nothing is set here.
 
         A static scale keeps its value through both (a checkpoint of another static scale is
         refused), so a known unit scale stays known.
         """
-        unit = self.unit_scale()
+        out: list[Any] = []
         for name in _TENSORS:
             if name in new:
-                journal.set(self, name, new[name])
-        if unit:
-            journal.set(self, "_unit_mark", (self._scale, self._scale._version))
+                out += (self, name, new[name])
+        for name in _DERIVED:
+            if name in new:
+                out += (self, name, new[name])
+        if self.unit_scale():
+            scale = new.get("_scale", self._scale)
+            out += (self, "_unit_mark", (scale, scale._version))
+        return out
 
     # -- host-side reporting (syncs; called only on the overflow path) ------------------------
     def report_overflow(self, where: str = "") -> tuple[float, float] | None:

@@ -239,3 +239,25 @@ def test_interrupt_at_random_traced_lines_of_many_steps(
         assert equal(state_of(amp, model, opt), expected[i]), (i, hit.fired)
         assert level == "O1" or model_equals_masters(opt), (i, hit.fired)
     assert len(fired) >= (steps - 2) // 2, fired  # most steps were interrupted
+
+
+def test_an_interrupt_anywhere_in_the_master_copy_leaves_grad_mode_on(
+        half_dtype: torch.dtype) -> None:
+    """Every traced event of the O2 master -> model copy (which runs under `no_grad`): grad
+    mode is back on afterwards (a `try:` opening a `with` body escaped the `with`'s cleanup
+    on CPython 3.11), and the interrupted step is still completed by the next entry."""
+    from ampx.scaling import decision
+
+    code = decision.copy_masters.__code__
+    amp, model, opt = make("O2", half_dtype)
+    train_step(amp, model, opt, 0)
+    with Interrupt(-1, code) as counter:
+        train_step(amp, model, opt, 1)
+    assert counter.events >= 3
+    for at in range(counter.events):
+        with Interrupt(at, code) as hit:
+            with pytest.raises(KeyboardInterrupt, match="injected"):
+                train_step(amp, model, opt, 2 + at)
+        assert hit.fired and torch.is_grad_enabled(), hit.fired
+        opt.zero_grad()  # completes the interrupted step (its update ran)
+        assert model_equals_masters(opt)

@@ -95,6 +95,22 @@ def test_scale_loss_value_and_inv_scale():
     assert s.inv_scale().item() == 0.125
 
 
+@pytest.mark.parametrize("found", [0.0, 1.0], ids=["clean", "overflow"])
+def test_the_scale_derived_by_an_update_follows_the_new_scale(found: float) -> None:
+    """After an update (the fused native one makes 1/scale and the 0-d scale with the state),
+    `inv_scale` and the scaled loss use the new scale, bitwise what torch computes."""
+    s = LossScaler("dynamic", init_scale=3.0, growth_interval=1)
+    for _ in range(3):
+        s.update_(torch.full((1,), found))
+        loss = torch.tensor(1.7)
+        assert torch.equal(s.inv_scale(), torch.reciprocal(s.scale))
+        assert torch.equal(s.scale_loss_value(loss), loss * s.scale.reshape(()))
+        assert s.scale_loss_value(loss).shape == ()
+    s.set_scale(5.0)  # an in-place write: the 0-d view and the inverse follow it
+    assert float(s.scale_loss_value(torch.tensor(2.0))) == 10.0
+    assert torch.equal(s.inv_scale(), torch.reciprocal(s.scale))
+
+
 def test_update_does_not_sync(monkeypatch: pytest.MonkeyPatch):
     s = LossScaler("dynamic", init_scale=8.0, growth_interval=1)
 

@@ -47,13 +47,46 @@ def test_a_unit_scale_pass_keeps_autograds_gradients_bitwise() -> None:
     amp.restore()
 
 
-def test_a_dynamic_scale_pass_unscales_into_new_buffers() -> None:
+def test_a_dynamic_scale_pass_unscales_its_own_gradients_in_place() -> None:
+    """As GradScaler: this pass's gradients (nothing was there before it) are unscaled where
+    they are (a failure drops them anyway); gradients of earlier passes get new buffers."""
     amp, model, opt = _setup(dtype=torch.float16, loss_scale="dynamic")
     assert not amp.scalers[0].unit_scale()
-    with amp.scale_loss(_loss(model, torch.randn(4, 8)), opt) as scaled:
+    x = torch.randn(4, 8)
+    _loss(model, x).backward()  # the plain backward, under the same O1 patches
+    plain = [p.grad.clone() for p in model.parameters()]
+    opt.zero_grad()
+    with amp.scale_loss(_loss(model, x), opt) as scaled:
         scaled.backward()
         produced = [p.grad for p in model.parameters()]
-    assert all(p.grad is not g for p, g in zip(model.parameters(), produced))
+    in_place = ampx._ext._native_module() is not None  # (the reference copies)
+    assert all((p.grad is g) is in_place for p, g in zip(model.parameters(), produced))
+    # the plain gradients, up to fp16 rounding (the scaled backward rounds elsewhere)
+    assert all(torch.allclose(p.grad, g, rtol=1e-2, atol=1e-4)
+               for p, g in zip(model.parameters(), plain))
+    earlier = [p.grad for p in model.parameters()]
+    with amp.scale_loss(_loss(model, x), opt) as scaled:  # accumulates onto `earlier`
+        scaled.backward()
+    assert all(p.grad is not g for p, g in zip(model.parameters(), earlier))
+    assert all(torch.allclose(p.grad, 2 * g, rtol=1e-2, atol=1e-4)
+               for p, g in zip(model.parameters(), plain))
+    amp.restore()
+
+
+def test_one_gradient_tensor_on_two_parameters_is_unscaled_once() -> None:
+    """A hook that gives two parameters the same gradient tensor: unscaling it in place for
+    each would divide it by the scale twice; each parameter gets its own buffer instead."""
+    torch.manual_seed(0)
+    model = nn.ParameterList([nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = ampx.Amp("O1", dtype=torch.float16, loss_scale=8.0, verbosity=0)
+    model, opt = amp.initialize(model, opt)
+    a, b = model
+    with amp.scale_loss((a * b).sum(), opt) as scaled:
+        scaled.backward()
+        b.grad = a.grad  # one tensor, two parameters (8 * b each)
+    expected = b.detach().clone()
+    assert torch.equal(a.grad, expected) and torch.equal(b.grad, expected)
     amp.restore()
 
 

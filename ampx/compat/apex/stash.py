@@ -99,12 +99,7 @@ def _set_grads_scaled(optimizer: torch.optim.Optimizer, value: bool) -> None:
     """
     state = _state(optimizer)
     if value and state.stage is Stage.SCALING:
-        journal = Journal()
-        try:
-            state.commit_delayed(journal)
-        except BaseException:
-            journal.rollback()
-            raise
+        _ext.assign(tuple(state.commit_delayed()))
     elif value and state.stage is not Stage.SCALED:
         raise RuntimeError(
             "_amp_stash.params_have_scaled_gradients = True: no backward pass is open; call "
