@@ -100,12 +100,12 @@ class _Pending:
     one max pattern; "forward", "grad" and "params" read a measure() row.
     """
 
-    parts: list[torch.Tensor] = field(default_factory=list)
+    parts: list[torch.Tensor | int] = field(default_factory=list)  # int: read already
     records: list[tuple[int, str, int, Any]] = field(default_factory=list)
     shadow: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     outputs: dict[int, _Output] = field(default_factory=dict)  # by id(tensor)
 
-    def add(self, parts: list[torch.Tensor]) -> int:
+    def add(self, parts: Sequence[torch.Tensor | int]) -> int:
         self.parts.extend(parts)
         return len(self.parts) - len(parts)
 
@@ -117,23 +117,26 @@ class _Pending:
         return None
 
 
-def _read(tensors: list[torch.Tensor]) -> list[Any]:
-    """0-d tensors to host numbers. On the CPU, where a read waits for nothing, each directly
-    (cheaper than stacking them); elsewhere in one copy per dtype (:func:`_read_stacked`)."""
-    if all(t.device.type == "cpu" for t in tensors):
-        return [t.item() for t in tensors]
-    return _read_stacked(tensors)
+def _read(parts: list[Any]) -> list[Any]:
+    """0-d tensors (and host numbers, kept) to host numbers. On the CPU, where a read waits
+    for nothing, each directly (cheaper than stacking them); elsewhere in one copy per dtype
+    (:func:`_read_stacked`)."""
+    if all(not isinstance(p, torch.Tensor) or p.device.type == "cpu" for p in parts):
+        return [p.item() if isinstance(p, torch.Tensor) else p for p in parts]
+    return _read_stacked(parts)
 
 
-def _read_stacked(tensors: list[torch.Tensor]) -> list[Any]:
+def _read_stacked(parts: list[Any]) -> list[Any]:
     """0-d tensors to host numbers, one stack and copy per dtype (stacking mixed dtypes
-    promotes each tensor: slower), on the first one's device."""
+    promotes each tensor: slower), on the first one's device; host numbers are kept."""
+    values: list[Any] = list(parts)
     groups: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype, []).append(i)
-    values: list[Any] = [None] * len(tensors)
+    device = next((p.device for p in parts if isinstance(p, torch.Tensor)), None)
+    for i, p in enumerate(parts):
+        if isinstance(p, torch.Tensor):
+            groups.setdefault(p.dtype, []).append(i)
     for where in groups.values():
-        read = torch.stack([tensors[i].to(tensors[0].device) for i in where]).tolist()
+        read = torch.stack([parts[i].to(device) for i in where]).tolist()
         for i, v in zip(where, read):
             values[i] = v
     return values

@@ -17,6 +17,7 @@ from torch import nn
 
 import ampx
 from ampx.overflow.numerics import NumericsMonitor, _read, _read_stacked, tensor_stats
+from ampx.overflow.numerics_stats import decode, measure
 from ampx.registry import SESSIONS
 
 D = 16
@@ -312,7 +313,11 @@ def test_tensor_stats_matches_float_comparisons(dtype, half):
     tiny = float(torch.finfo(half).tiny)
     for t in (x, x.t(), x[2:], x[2:].abs(), torch.zeros(3, dtype=dtype),
               torch.full((2,), math.nan, dtype=dtype)):
-        assert tensor_stats(t, tiny).tolist() == _reference_stats(t, tiny), (t.dtype, t.shape)
+        want = _reference_stats(t, tiny)
+        assert tensor_stats(t, tiny).tolist() == want, (t.dtype, t.shape)
+        parts, f = measure(t, tiny, eager=False)  # as off the CPU: every count computed
+        assert all(isinstance(p, torch.Tensor) for p in parts)
+        assert decode(_read_stacked(parts), f, t.numel()) == want, (t.dtype, t.shape)
 
 
 def test_reading_parts_keeps_their_order_and_values():
@@ -320,6 +325,7 @@ def test_reading_parts_keeps_their_order_and_values():
              torch.tensor(0.25), torch.tensor(2**15 - 1, dtype=torch.int16)]
     want = [3, 2**40, -7, 0.25, 2**15 - 1]
     assert _read(parts) == _read_stacked(parts) == want  # the accelerator path, on the CPU
+    assert _read([5, *parts]) == _read_stacked([5, *parts]) == [5, *want]  # host ints kept
     assert _read([]) == _read_stacked([]) == []
 
 
