@@ -5,11 +5,14 @@ a skipped one). On a watched step it puts hooks on the models' modules for one f
 backward: each module's floating outputs, the gradient arriving at those outputs (at the
 current loss scale) and its own parameters' gradients are reduced on the device to a few
 numbers (max |x|, how many elements overflow the half dtype, how many fall below its smallest
-normal number, how many are zero, the smallest non-zero magnitude). Optionally, every
-``shadow_every``-th watched step, a module is re-run in float32 on its upcast inputs and the
-relative error of its half output is recorded. :meth:`NumericsMonitor.step` reads the step's
-numbers to the host in one copy and takes the hooks off; between watched steps no hook is
-installed, so the models run exactly as without the monitor.
+normal number, how many are zero, the smallest non-zero magnitude; for parameters' gradients
+the counts only), by integer reductions over their bits (:mod:`.numerics_stats`). An output
+is measured once: the module it feeds, and a parent returning it, reuse its numbers while it
+is unchanged. Optionally, every ``shadow_every``-th watched step, a module is re-run in
+float32 on its upcast inputs and the relative error of its half output is recorded.
+:meth:`NumericsMonitor.step` reads the step's numbers to the host at once (no sync per
+tensor) and takes the hooks off; between watched steps no hook is installed, so the models
+run exactly as without the monitor.
 
 The ranking and the advice are in :mod:`ampx.overflow.numerics_report`.
 """

@@ -4,13 +4,14 @@ With its sign bit cleared, a float's bit pattern orders like its magnitude, as a
 zero < subnormal < normal < inf < NaN. So every number the monitor needs is an integer
 reduction over one masked integer view of the tensor: max |x| is the largest pattern (a NaN
 is larger than any other, so it shows without a separate test), the smallest non-zero one is
-the smallest after zero is moved to the top, and the counts compare against two patterns
-(the half dtype's smallest normal number, and inf). On CPUs, 16-bit integer comparisons and
-counts run several times faster than the same on bf16/fp16 floats, and nothing is converted.
+the smallest after zero is moved to the top, and the counts are of patterns at or above two
+thresholds (the half dtype's smallest normal number, and inf), taken by a shift or a clamp.
+On CPUs these integer passes run several times faster than float comparisons and counts of
+their booleans (bf16/fp16 ones most of all), and nothing is converted.
 
-The device side (:func:`measure`) returns 0-d integer tensors that stay on the device; the
-monitor stacks a whole watched step's into one tensor and reads it once, then
-:func:`decode` turns each tensor's parts into the row the report reads.
+:func:`measure` returns 0-d integer tensors that stay on the device (the monitor reads a whole
+watched step's at once) or, on the CPU, host ints; :func:`decode` turns them into the row the
+report reads.
 """
 
 from __future__ import annotations
