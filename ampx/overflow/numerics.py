@@ -84,20 +84,21 @@ class ModuleSample:
 
 
 @dataclass
-class _Output:
-    """A module output measured on this watched step (a later module fed it, or a parent
-    returning it, reuses its numbers while it is unchanged)."""
+class _Seen:
+    """A tensor measured on this watched step: a module output (a later module fed it, or a
+    parent returning it, reuses its numbers) or an input measured for its max (the next
+    module fed it reuses that), while it is unchanged."""
 
     ref: weakref.ref[torch.Tensor]
     version: int            # its _version when measured: an in-place change is a new tensor
-    offset: int             # where its parts start in _Pending.parts
+    offset: int             # where its parts start in _Pending.parts (the max pattern first)
     reader: tuple[Format, int]
     grad_users: list[int] | None = None  # modules whose output it is (its gradient hook)
 
 
 @dataclass
 class _Pending:
-    """A watched step's numbers, on the device until the step ends (then read in one copy).
+    """A watched step's numbers, on the device until the step ends (then read at once).
 
     records: (module index, kind, offset into parts, how to read them): kind "inputs" reads
     one max pattern; "forward", "grad" and "params" read a measure() row.
@@ -106,15 +107,17 @@ class _Pending:
     parts: list[torch.Tensor | int] = field(default_factory=list)  # int: read already
     records: list[tuple[int, str, int, Any]] = field(default_factory=list)
     shadow: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    outputs: dict[int, _Output] = field(default_factory=dict)  # by id(tensor)
+    outputs: dict[int, _Seen] = field(default_factory=dict)  # by id(tensor)
+    inputs: dict[int, _Seen] = field(default_factory=dict)   # measured for their max only
 
     def add(self, parts: Sequence[torch.Tensor | int]) -> int:
         self.parts.extend(parts)
         return len(self.parts) - len(parts)
 
-    def output(self, t: torch.Tensor) -> _Output | None:
-        """t's entry when t was measured as an output and has not changed since."""
-        seen = self.outputs.get(id(t))
+    @staticmethod
+    def seen(table: dict[int, _Seen], t: torch.Tensor) -> _Seen | None:
+        """t's entry in `table` when t has not changed since it was measured."""
+        seen = table.get(id(t))
         if seen is not None and seen.ref() is t and seen.version == t._version:
             return seen
         return None
@@ -246,21 +249,12 @@ class NumericsMonitor:
             if pending is None or self._in_shadow or not torch.is_grad_enabled():
                 return
             outputs = _float_tensors(output)
-            # the largest input magnitude (a module fed values near the edge): an earlier
-            # module's output already holds it
-            for t in _float_tensors(tuple(args)):
-                seen = pending.output(t)
-                if seen is not None:
-                    pending.records.append((index, "inputs", seen.offset, seen.reader[0]))
-                else:
-                    top, f = measure_max(t, self.tiny)
-                    pending.records.append((index, "inputs", pending.add([top]), f))
             for t in outputs:
-                seen = pending.output(t)
+                seen = pending.seen(pending.outputs, t)
                 if seen is None:  # a parent returning its last child's output: measured once
                     parts, f = measure(t, self.tiny)
-                    seen = _Output(weakref.ref(t), t._version, pending.add(parts),
-                                   (f, t.numel()))
+                    seen = _Seen(weakref.ref(t), t._version, pending.add(parts),
+                                 (f, t.numel()))
                     pending.outputs[id(t)] = seen
                 pending.records.append((index, "forward", seen.offset, seen.reader))
                 if t.requires_grad:
@@ -268,6 +262,15 @@ class NumericsMonitor:
                         seen.grad_users = []
                         t.register_hook(self._grad_hook(seen.grad_users))
                     seen.grad_users.append(index)
+            # the largest input magnitude (a module fed values near the edge): an output (its
+            # own, in place; an earlier module's) or an input fed to another module holds it
+            for t in _float_tensors(tuple(args)):
+                seen = pending.seen(pending.outputs, t) or pending.seen(pending.inputs, t)
+                if seen is None:
+                    top, f = measure_max(t, self.tiny)
+                    seen = _Seen(weakref.ref(t), t._version, pending.add([top]), (f, 0))
+                    pending.inputs[id(t)] = seen
+                pending.records.append((index, "inputs", seen.offset, seen.reader[0]))
             if index not in self._param_hooked:
                 self._param_hooked.add(index)
                 for param in module.parameters(recurse=False):

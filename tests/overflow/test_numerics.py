@@ -329,9 +329,17 @@ def test_reading_parts_keeps_their_order_and_values():
     assert _read([]) == _read_stacked([]) == []
 
 
-def test_outputs_are_measured_once_and_before_an_in_place_change():
+def test_outputs_are_measured_once_and_before_an_in_place_change(monkeypatch):
     """The monitor reuses a module's output numbers for the module fed it and for a parent
-    returning it; an output changed in place afterwards (an inplace ReLU) is a new tensor."""
+    returning it, and an input's for another module fed it; an output changed in place
+    afterwards (an inplace ReLU) is a new tensor."""
+    import ampx.overflow.numerics as numerics
+
+    calls: list[str] = []
+    for name in ("measure", "measure_max", "measure_flush"):
+        real = getattr(numerics, name)
+        monkeypatch.setattr(numerics, name, lambda t, tiny, real=real, name=name: (
+            calls.append(name), real(t, tiny))[1])
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -349,10 +357,14 @@ def test_outputs_are_measured_once_and_before_an_in_place_change():
         y = model(x)
     model(x).pow(2).sum().backward()
     monitor.step()
+    # x once (fc, root); fc's, act's (its input too) and out's outputs (root: out's) and
+    # their gradients; four parameters
+    assert sorted(calls) == ["measure"] * 6 + ["measure_flush"] * 4 + ["measure_max"]
     got = {name: monitor.samples[i][-1] for i, name in enumerate(monitor.names)}
     assert got["fc"].forward == _reference_stats(h, tiny)  # before the ReLU changed it
     assert got["act"].forward == _reference_stats(h.clamp_min(0), tiny)
-    assert got["out"].inputs == got["act"].forward[0] and got["fc"].inputs == x.abs().max()
+    assert got["out"].inputs == got["act"].forward[0]
+    assert got["fc"].inputs == got["(root)"].inputs == x.abs().max()
     assert got["out"].forward == _reference_stats(y, tiny) == got["(root)"].forward
     assert got["(root)"].grad == got["out"].grad == _reference_stats(2 * y, tiny)
     # the gradient at fc's output went through the ReLU's mask; at act's output it did not
