@@ -68,20 +68,27 @@ def fmt(dtype: torch.dtype, tiny: float) -> Format:
     return Format(dtype, int_dtype, (1 << (torch.finfo(dtype).bits - 1)) - 1, bits, inf)
 
 
+@functools.cache
+def _const(value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`value` as a 0-d tensor: a Python int operand is wrapped and converted again on every
+    call (about 1 us, a few times per tensor measured)."""
+    return torch.tensor(value, dtype=dtype, device=device)
+
+
 def _magnitudes(t: torch.Tensor, tiny: float) -> tuple[torch.Tensor, Format]:
     f = fmt(t.dtype, tiny)
     t = t.detach()
     if t.dtype != f.dtype:
         t = t.to(f.dtype)
-    return t.view(f.int_dtype).bitwise_and(f.mask), f
+    return t.view(f.int_dtype).bitwise_and(_const(f.mask, f.int_dtype, t.device)), f
 
 
 def _at_least(m: torch.Tensor, bits: int) -> torch.Tensor:
     """How many patterns in m are >= `bits` (>= 1): by a shift or a clamp to {0, 1}, which
     run several times faster than a comparison and a count of its booleans on CPUs."""
     if bits & (bits - 1) == 0:
-        return torch.count_nonzero(m >> (bits.bit_length() - 1))
-    return torch.count_nonzero(m.clamp(bits - 1, bits).sub_(bits - 1))
+        return torch.count_nonzero(m >> _const(bits.bit_length() - 1, m.dtype, m.device))
+    return torch.count_nonzero(m.clamp(bits - 1, bits).sub_(_const(bits - 1, m.dtype, m.device)))
 
 
 def measure(t: torch.Tensor, tiny: float,
@@ -97,7 +104,8 @@ def measure(t: torch.Tensor, tiny: float,
     common case, half the work.
     """
     m, f = _magnitudes(t, tiny)
-    top, low = m.max(), (m - 1).bitwise_and_(f.mask).min()  # zero - 1 wraps to the top
+    one, mask = _const(1, m.dtype, m.device), _const(f.mask, m.dtype, m.device)
+    top, low = m.max(), (m - one).bitwise_and_(mask).min()  # zero - 1 wraps to the top
     nonzero = torch.count_nonzero(m)
     if not (m.device.type == "cpu" if eager is None else eager):
         return [top, low, nonzero, _at_least(m, f.tiny), _at_least(m, f.inf)], f
