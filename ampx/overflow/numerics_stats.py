@@ -91,6 +91,11 @@ def _at_least(m: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.count_nonzero(m.clamp(bits - 1, bits).sub_(_const(bits - 1, m.dtype, m.device)))
 
 
+def _low(m: torch.Tensor, f: Format) -> torch.Tensor:
+    """The smallest non-zero pattern less 1 (zero - 1 wraps to the top: the mask)."""
+    return (m - _const(1, m.dtype, m.device)).bitwise_and_(_const(f.mask, m.dtype, m.device)).min()
+
+
 def measure(t: torch.Tensor, tiny: float,
             eager: bool | None = None) -> tuple[list[torch.Tensor | int], Format]:
     """t's statistics and how to read them: the largest pattern, the smallest non-zero one
@@ -104,12 +109,12 @@ def measure(t: torch.Tensor, tiny: float,
     common case, half the work.
     """
     m, f = _magnitudes(t, tiny)
-    one, mask = _const(1, m.dtype, m.device), _const(f.mask, m.dtype, m.device)
-    top, low = m.max(), (m - one).bitwise_and_(mask).min()  # zero - 1 wraps to the top
-    nonzero = torch.count_nonzero(m)
+    top, nonzero = m.max(), torch.count_nonzero(m)
     if not (m.device.type == "cpu" if eager is None else eager):
-        return [top, low, nonzero, _at_least(m, f.tiny), _at_least(m, f.inf)], f
-    top_, low_, nonzero_ = int(top), int(low), int(nonzero)
+        return [top, _low(m, f), nonzero, _at_least(m, f.tiny), _at_least(m, f.inf)], f
+    top_, nonzero_ = int(top), int(nonzero)
+    # without a zero the smallest pattern is the smallest non-zero one: one pass, not three
+    low_ = int(m.min()) - 1 if nonzero_ == m.numel() else int(_low(m, f))
     normal = nonzero_ if low_ + 1 >= f.tiny else int(_at_least(m, f.tiny))
     over = 0 if top_ < f.inf else int(_at_least(m, f.inf))
     return [top_, low_, nonzero_, normal, over], f
