@@ -26,9 +26,7 @@ import torch
 __all__ = ["Format", "decode", "decode_flush", "decode_max", "measure", "measure_flush",
            "measure_max", "tensor_stats"]
 
-# what a decoded row holds, in order
-_MAX, _OVER, _UNDER, _ZERO, _MINNZ, _NUMEL = range(6)
-PARTS = 5  # what measure returns per tensor
+PARTS = 5  # what measure returns per tensor (decode makes the six-number row of them)
 
 _INT = {16: torch.int16, 32: torch.int32, 64: torch.int64}
 _PACK = {torch.float16: ("<H", "<e"), torch.float32: ("<I", "<f"),
