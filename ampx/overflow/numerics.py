@@ -5,18 +5,21 @@ a skipped one). On a watched step it puts hooks on the models' modules for one f
 backward: each module's floating outputs, the gradient arriving at those outputs (at the
 current loss scale) and its own parameters' gradients are reduced on the device to a few
 numbers (max |x|, how many elements overflow the half dtype, how many fall below its smallest
-normal number, how many are zero, the smallest non-zero magnitude). Optionally, every
-``shadow_every``-th watched step, a module is re-run in float32 on its upcast inputs and the
-relative error of its half output is recorded. :meth:`NumericsMonitor.step` reads the step's
-numbers to the host in one copy and takes the hooks off; between watched steps no hook is
-installed, so the models run exactly as without the monitor.
+normal number, how many are zero, the smallest non-zero magnitude; for parameters' gradients
+the counts only), by integer reductions over their bits (:mod:`.numerics_stats`). An output
+is measured once: the module it feeds, and a parent returning it, reuse its numbers while it
+is unchanged. Optionally, every ``shadow_every``-th watched step, a module is re-run in
+float32 on its upcast inputs and the relative error of its half output is recorded.
+:meth:`NumericsMonitor.step` reads the step's numbers to the host at once (no sync per
+tensor) and takes the hooks off; between watched steps no hook is installed, so the models
+run exactly as without the monitor.
 
 The ranking and the advice are in :mod:`ampx.overflow.numerics_report`.
 """
 
 from __future__ import annotations
 
-import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,41 +28,23 @@ import torch
 from torch import nn
 
 from ..o1.regions import disable_casts
+from .numerics_stats import (
+    PARTS,
+    Format,
+    decode,
+    decode_flush,
+    decode_max,
+    measure,
+    measure_flush,
+    measure_max,
+    tensor_stats,
+)
 from .report import ROOT_MODULE
 
 __all__ = ["ModuleSample", "NumericsMonitor", "tensor_stats"]
 
-# what tensor_stats returns, in order
+# what a decoded row holds, in order
 _MAX, _OVER, _UNDER, _ZERO, _MINNZ, _NUMEL = range(6)
-
-
-def tensor_stats(t: torch.Tensor, tiny: float) -> torch.Tensor:
-    """``[max|x|, n_overflow, n_underflow, n_zero, min non-zero |x|, numel]`` on t's device.
-
-    Overflow: non-finite (inf or NaN; a NaN makes max |x| NaN, read as inf). A float32 value
-    beyond the half dtype's largest has not overflowed: the report judges it by max |x|
-    (near overflow). Underflow: non-zero but below the half dtype's smallest normal number
-    (`tiny`): subnormal or flushed to zero once in (or if cast to) the half dtype. Computed in
-    t's own dtype (exact for these comparisons) with three comparisons, three counts and two
-    reductions: it runs for every module on a watched step, so every kernel counts.
-    """
-    a = t.detach().abs()
-    n = a.numel()
-    zero = a == 0
-    finite = (a <= torch.finfo(a.dtype).max).sum(dtype=torch.float32)  # NaN and inf are not
-    small = (a < tiny).sum(dtype=torch.float32)  # zeros included; NaN is not
-    zeros = zero.sum(dtype=torch.float32)
-    return torch.stack([
-        a.max().float(), n - finite, small - zeros, zeros,
-        a.masked_fill(zero, math.inf).min().float(),
-        torch.full((), float(n), device=a.device),
-    ])
-
-
-def _max_abs(t: torch.Tensor) -> torch.Tensor:
-    """max |t| as float32 on t's device, NaN counted as inf."""
-    a = t.detach().abs().float()
-    return a.masked_fill(torch.isnan(a), math.inf).max()
 
 
 def _float_tensors(value: Any) -> list[torch.Tensor]:
@@ -83,7 +68,8 @@ class ModuleSample:
     step: int
     forward: list[float] | None = None      # tensor_stats, outputs merged
     grad: list[float] | None = None         # the gradient arriving at its outputs
-    params: list[float] | None = None       # its own parameters' gradients, merged
+    params: list[float] | None = None       # its own parameters' gradients, merged (the
+    #                                         counts only: max, overflow, min are NaN)
     inputs: float | None = None             # the largest |x| among its floating inputs
     shadow_error: float | None = None       # relative error of the half output vs fp32
     loss_scale: float = 1.0
@@ -98,11 +84,68 @@ class ModuleSample:
 
 
 @dataclass
-class _Pending:
-    """A watched step's device records: (module index, kind, stats tensor)."""
+class _Seen:
+    """A tensor measured on this watched step: a module output (a later module fed it, or a
+    parent returning it, reuses its numbers) or an input measured for its max (the next
+    module fed it reuses that), while it is unchanged."""
 
-    records: list[tuple[int, str, torch.Tensor]] = field(default_factory=list)
+    ref: weakref.ref[torch.Tensor]
+    version: int            # its _version when measured: an in-place change is a new tensor
+    offset: int             # where its parts start in _Pending.parts (the max pattern first)
+    reader: tuple[Format, int]
+    grad_users: list[int] | None = None  # modules whose output it is (its gradient hook)
+
+
+@dataclass
+class _Pending:
+    """A watched step's numbers, on the device until the step ends (then read at once).
+
+    records: (module index, kind, offset into parts, how to read them): kind "inputs" reads
+    one max pattern; "forward", "grad" and "params" read a measure() row.
+    """
+
+    parts: list[torch.Tensor | int] = field(default_factory=list)  # int: read already
+    records: list[tuple[int, str, int, Any]] = field(default_factory=list)
     shadow: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    outputs: dict[int, _Seen] = field(default_factory=dict)  # by id(tensor)
+    inputs: dict[int, _Seen] = field(default_factory=dict)   # measured for their max only
+
+    def add(self, parts: Sequence[torch.Tensor | int]) -> int:
+        self.parts.extend(parts)
+        return len(self.parts) - len(parts)
+
+    @staticmethod
+    def seen(table: dict[int, _Seen], t: torch.Tensor) -> _Seen | None:
+        """t's entry in `table` when t has not changed since it was measured."""
+        seen = table.get(id(t))
+        if seen is not None and seen.ref() is t and seen.version == t._version:
+            return seen
+        return None
+
+
+def _read(parts: list[Any]) -> list[Any]:
+    """0-d tensors (and host numbers, kept) to host numbers. On the CPU, where a read waits
+    for nothing, each directly (cheaper than stacking them); elsewhere in one copy per dtype
+    (:func:`_read_stacked`)."""
+    if all(not isinstance(p, torch.Tensor) or p.device.type == "cpu" for p in parts):
+        return [p.item() if isinstance(p, torch.Tensor) else p for p in parts]
+    return _read_stacked(parts)
+
+
+def _read_stacked(parts: list[Any]) -> list[Any]:
+    """0-d tensors to host numbers, one stack and copy per dtype (stacking mixed dtypes
+    promotes each tensor: slower), on the first one's device; host numbers are kept."""
+    values: list[Any] = list(parts)
+    groups: dict[torch.dtype, list[int]] = {}
+    device = next((p.device for p in parts if isinstance(p, torch.Tensor)), None)
+    for i, p in enumerate(parts):
+        if isinstance(p, torch.Tensor):
+            groups.setdefault(p.dtype, []).append(i)
+    for where in groups.values():
+        read = torch.stack([parts[i].to(device) for i in where]).tolist()
+        for i, v in zip(where, read):
+            values[i] = v
+    return values
 
 
 class NumericsMonitor:
@@ -206,14 +249,28 @@ class NumericsMonitor:
             if pending is None or self._in_shadow or not torch.is_grad_enabled():
                 return
             outputs = _float_tensors(output)
-            inputs = _float_tensors(tuple(args))
-            if inputs:  # the largest input magnitude: a module fed values near the edge
-                pending.records.append((index, "inputs", torch.stack(
-                    [_max_abs(t) for t in inputs]).max().reshape(1)))
             for t in outputs:
-                pending.records.append((index, "forward", tensor_stats(t, self.tiny)))
+                seen = pending.seen(pending.outputs, t)
+                if seen is None:  # a parent returning its last child's output: measured once
+                    parts, f = measure(t, self.tiny)
+                    seen = _Seen(weakref.ref(t), t._version, pending.add(parts),
+                                 (f, t.numel()))
+                    pending.outputs[id(t)] = seen
+                pending.records.append((index, "forward", seen.offset, seen.reader))
                 if t.requires_grad:
-                    t.register_hook(self._grad_hook(index))
+                    if seen.grad_users is None:  # one hook per tensor, for all its modules
+                        seen.grad_users = []
+                        t.register_hook(self._grad_hook(seen.grad_users))
+                    seen.grad_users.append(index)
+            # the largest input magnitude (a module fed values near the edge): an output (its
+            # own, in place; an earlier module's) or an input fed to another module holds it
+            for t in _float_tensors(tuple(args)):
+                seen = pending.seen(pending.outputs, t) or pending.seen(pending.inputs, t)
+                if seen is None:
+                    top, f = measure_max(t, self.tiny)
+                    seen = _Seen(weakref.ref(t), t._version, pending.add([top]), (f, 0))
+                    pending.inputs[id(t)] = seen
+                pending.records.append((index, "inputs", seen.offset, seen.reader[0]))
             if index not in self._param_hooked:
                 self._param_hooked.add(index)
                 for param in module.parameters(recurse=False):
@@ -225,20 +282,24 @@ class NumericsMonitor:
                 self._shadow(index, module, args, outputs[0])
         return hook
 
-    def _grad_hook(self, index: int) -> Any:
+    def _measure(self, kind: str, indices: list[int], grad: torch.Tensor | None) -> None:
+        pending = self._pending
+        if pending is None or grad is None or grad.is_sparse:
+            return
+        # a parameter's row is read for its flushed share only: the counts suffice
+        parts, f = (measure_flush if kind == "params" else measure)(grad, self.tiny)
+        offset = pending.add(parts)
+        for index in indices:
+            pending.records.append((index, kind, offset, (f, grad.numel())))
+
+    def _grad_hook(self, users: list[int]) -> Any:
         def hook(grad: torch.Tensor) -> None:
-            pending = self._pending
-            if pending is not None and grad is not None and not grad.is_sparse:
-                pending.records.append((index, "grad", tensor_stats(grad, self.tiny)))
+            self._measure("grad", users, grad)
         return hook
 
     def _param_hook(self, index: int) -> Any:
         def hook(param: torch.Tensor) -> None:
-            pending = self._pending
-            grad = param.grad
-            if pending is not None and grad is not None and not grad.is_sparse:
-                pending.records.append((index, "params",
-                                        tensor_stats(grad, self.tiny)))
+            self._measure("params", [index], param.grad)
         return hook
 
     def _shadow(self, index: int, module: nn.Module, args: Any, half_out: torch.Tensor) -> None:
@@ -296,26 +357,27 @@ class NumericsMonitor:
     def _collect(self, pending: _Pending, step: int, loss_scale: float) -> None:
         if not pending.records and not pending.shadow:
             return
-        tensors = [t for _, _, t in pending.records] + [t.reshape(1) for _, t in pending.shadow]
-        device = tensors[0].device
-        flat = torch.cat([t.reshape(-1).to(device) for t in tensors]).tolist()
+        values = _read(pending.parts)
+        errors = _read([t for _, t in pending.shadow])
         by_module: dict[int, ModuleSample] = {}
-        pos = 0
-        for index, kind, t in pending.records:
-            row = [math.inf if math.isnan(v) else v for v in flat[pos:pos + t.numel()]]
-            pos += t.numel()
-            sample = by_module.setdefault(index, ModuleSample(step, loss_scale=loss_scale))
+        for index, kind, offset, reader in pending.records:
+            sample = by_module.get(index)
+            if sample is None:
+                sample = by_module[index] = ModuleSample(step, loss_scale=loss_scale)
             if kind == "inputs":
-                sample.inputs = row[0] if sample.inputs is None else max(sample.inputs, row[0])
+                top = decode_max(values[offset], reader)
+                sample.inputs = top if sample.inputs is None else max(sample.inputs, top)
+                continue
+            if kind == "params":
+                row = decode_flush(values[offset:offset + 2], reader[1])
             else:
-                setattr(sample, kind, ModuleSample.merge(getattr(sample, kind), row))
+                row = decode(values[offset:offset + PARTS], *reader)
+            setattr(sample, kind, ModuleSample.merge(getattr(sample, kind), row))
             if kind == "forward" and index not in self._seen:
                 self._seen.add(index)
                 self.order.append(index)
-        for index, _ in pending.shadow:
+        for (index, _), err in zip(pending.shadow, errors):
             sample = by_module.setdefault(index, ModuleSample(step, loss_scale=loss_scale))
-            err = flat[pos]
-            pos += 1
             sample.shadow_error = err if sample.shadow_error is None else max(
                 sample.shadow_error, err)
         for index, sample in by_module.items():

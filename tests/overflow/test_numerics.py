@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 import ampx
-from ampx.overflow.numerics import NumericsMonitor, tensor_stats
+from ampx.overflow.numerics import NumericsMonitor, _read, _read_stacked, tensor_stats
+from ampx.overflow.numerics_stats import decode, measure
 from ampx.registry import SESSIONS
 
 D = 16
@@ -282,9 +283,99 @@ def test_tensor_stats_counts():
     assert (over, under, zero, numel) == (2, 1, 1, 6)
     half = tensor_stats(torch.tensor([0.0, 1e-6, 1.0, 7e3], dtype=torch.float16), 2.0**-14)
     assert half.tolist()[:4] == [7000.0, 0, 1, 1]
-    assert not math.isfinite(minnz)  # a NaN poisons the minimum too: read as "none"
+    assert minnz == pytest.approx(1e-6)  # the smallest magnitude, a NaN notwithstanding
     finite = tensor_stats(torch.tensor([0.0, -1e-6, 3.0]), 2.0**-14).tolist()
     assert finite[4] == pytest.approx(1e-6) and finite[0] == 3.0
+
+
+def _reference_stats(t: torch.Tensor, tiny: float) -> list[float]:
+    """tensor_stats' row the slow way: float64 comparisons (a NaN makes the max inf and is
+    no one's minimum; overflow is non-finite in t's own dtype)."""
+    a = t.double().abs().flatten()
+    nan = torch.isnan(a)
+    nonzero = a[(a != 0) & ~nan]
+    return [math.inf if nan.any() else a.max().item(), (~torch.isfinite(a)).sum().item(),
+            ((a > 0) & (a < tiny)).sum().item(), (a == 0).sum().item(),
+            nonzero.min().item() if nonzero.numel() else math.inf, a.numel()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_tensor_stats_matches_float_comparisons(dtype, half):
+    # magnitudes over the whole range of dtype, subnormals, both zeros, inf and NaN; strided
+    gen = torch.Generator().manual_seed(0)
+    info = torch.finfo(dtype)
+    exps = torch.randint(int(math.log2(info.smallest_normal)) - 12, int(math.log2(info.max)),
+                         (40, 50), generator=gen)
+    x = (torch.randn(40, 50, generator=gen, dtype=torch.float64) * 2.0 ** exps).to(dtype)
+    x[0, :5] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan])
+    x[1, :3] = torch.tensor([info.smallest_normal, -info.smallest_normal / 4, 0.0])
+    tiny = float(torch.finfo(half).tiny)
+    # with and without zeros (the CPU's smallest non-zero takes a shortcut without), all zero,
+    # all NaN, a subnormal minimum
+    for t in (x, x.t(), x[2:], x[2:].abs() + 1, x[1, :2], torch.zeros(3, dtype=dtype),
+              torch.full((2,), math.nan, dtype=dtype)):
+        want = _reference_stats(t, tiny)
+        assert tensor_stats(t, tiny).tolist() == want, (t.dtype, t.shape)
+        parts, f = measure(t, tiny, eager=False)  # as off the CPU: every count computed
+        assert all(isinstance(p, torch.Tensor) for p in parts)
+        assert decode(_read_stacked(parts), f, t.numel()) == want, (t.dtype, t.shape)
+
+
+def test_reading_parts_keeps_their_order_and_values():
+    parts = [torch.tensor(3, dtype=torch.int16), torch.tensor(2**40), torch.tensor(-7),
+             torch.tensor(0.25), torch.tensor(2**15 - 1, dtype=torch.int16)]
+    want = [3, 2**40, -7, 0.25, 2**15 - 1]
+    assert _read(parts) == _read_stacked(parts) == want  # the accelerator path, on the CPU
+    assert _read([5, *parts]) == _read_stacked([5, *parts]) == [5, *want]  # host ints kept
+    assert _read([]) == _read_stacked([]) == []
+
+
+def test_outputs_are_measured_once_and_before_an_in_place_change(monkeypatch):
+    """The monitor reuses a module's output numbers for the module fed it and for a parent
+    returning it, and an input's for another module fed it; an output changed in place
+    afterwards (an inplace ReLU) is a new tensor."""
+    import ampx.overflow.numerics as numerics
+
+    calls: list[str] = []
+    for name in ("measure", "measure_max", "measure_flush"):
+        real = getattr(numerics, name)
+        monkeypatch.setattr(numerics, name, lambda t, tiny, real=real, name=name: (
+            calls.append(name), real(t, tiny))[1])
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.act, self.out = nn.Linear(D, D), nn.ReLU(inplace=True), nn.Linear(D, D)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.act(self.fc(x)))
+
+    torch.manual_seed(0)
+    model, x, tiny = Block(), torch.randn(8, D), 2.0**-14
+    monitor = NumericsMonitor([model], torch.float16, every=1, shadow_every=0)
+    with torch.no_grad():
+        h = model.fc(x)
+        y = model(x)
+    model(x).pow(2).sum().backward()
+    monitor.step()
+    # x once (fc, root); fc's, act's (its input too) and out's outputs (root: out's) and
+    # their gradients; four parameters
+    assert sorted(calls) == ["measure"] * 6 + ["measure_flush"] * 4 + ["measure_max"]
+    got = {name: monitor.samples[i][-1] for i, name in enumerate(monitor.names)}
+    assert got["fc"].forward == _reference_stats(h, tiny)  # before the ReLU changed it
+    assert got["act"].forward == _reference_stats(h.clamp_min(0), tiny)
+    assert got["out"].inputs == got["act"].forward[0]
+    assert got["fc"].inputs == got["(root)"].inputs == x.abs().max()
+    assert got["out"].forward == _reference_stats(y, tiny) == got["(root)"].forward
+    assert got["(root)"].grad == got["out"].grad == _reference_stats(2 * y, tiny)
+    # the gradient at fc's output went through the ReLU's mask; at act's output it did not
+    assert got["fc"].grad[3] == (h <= 0).sum() > 0 and got["act"].grad[3] == 0
+    # parameters: the counts only (a unit dead on the whole batch has zero gradients)
+    grads = torch.cat([p.grad.flatten() for p in model.fc.parameters()])
+    top, _, under, zeros, low, numel = got["fc"].params
+    assert (under, zeros, numel) == (0, (grads == 0).sum(), D * D + D) and zeros > 0
+    assert math.isnan(top) and math.isnan(low)
 
 
 def test_bad_options_are_refused_cleanly():
