@@ -13,8 +13,8 @@ Phases, each timed on its own around the same training loop (O1 or O2, AdamW, bf
 The fixed cost is the sum of the four. Each loop drops its step's tensors outside the phases
 (the last reference to a step's autograd graph frees its nodes: ~13 us on the small MLP that a
 loop pays wherever it drops that reference; the reference loop's go when its step function
-returns). Each phase is the median over `--steps` steps
-(the zero_grad baseline on alternate steps); the load average is printed before and after.
+returns). Each phase is the median over `--steps` steps (the zero_grad baseline on alternate
+steps); the load average is printed before and after.
 
 For scale, the same loop is timed with torch's own `torch.autocast` + `torch.amp.GradScaler`
 (which do the same jobs: release the step's weight casts, scale the loss, unscale and check
@@ -22,9 +22,10 @@ every gradient, one host sync, update the scale), its phases interleaved with am
 step: autocast's `__exit__` (where autocast drops its weight-cast cache; ampx drops O1's at
 `scale_loss` entry) + `scaler.scale(loss)` as the entry, `scaler.unscale_(opt)` as the exit,
 `scaler.step(opt)` (its checks and its `found_inf` read; the optimizer's `step` a no-op) +
-`scaler.update()` as the step's share (the optimizer's update itself is not run for either). torch's bookkeeping runs in Python too, so its sum says what
-this machine charges for a per-step protocol of that shape. The reference's forward runs under
-autocast in the half dtype, as ampx's runs under O1.
+`scaler.update()` as the step's share (the optimizer's update itself is not run for either).
+torch's bookkeeping runs in Python too, so its sum says what this machine charges for a
+per-step protocol of that shape. The reference's forward runs under autocast in the half
+dtype, as ampx's runs under O1.
 
 Run::
 
