@@ -99,7 +99,7 @@ class ScaledPass:
 
     def begin(self) -> None:
         """Every optimizer to SCALING, or none (a failure aborts the ones already moved)."""
-        opening = self.opening
+        opening = None if self.frame is None else self
         try:  # (not `Journal.atomic`: this runs every step, and a generator costs)
             for opt, state in self.pairs:
                 state.begin_backward(opt, opening)
@@ -247,7 +247,8 @@ class ScaleLossBlock:
                 "num_losses=N to initialize to get N loss scalers."
             )
         scaler = scalers[loss_id]
-        if not amp.scales_gradients and scaler.unit_scale():
+        scales = states[0].policy.scales if len(states) == 1 else amp.scales_gradients
+        if not scales and scaler.unit_scale():
             # apex's short-circuit (O0, O3 with fp16) while the static scale is 1.0; a scale
             # written since (`_loss_scale = 4.0`, apex's L0 tests) scales and unscales
             self._mode, self._states = "short", states
