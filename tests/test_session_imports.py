@@ -2,8 +2,8 @@
 
 Every module `initialize` imports is resident memory each run pays (benchmarks/bench_memory.py
 counts it against torch.autocast, which imports nothing); the overflow tools a session did not
-ask for and the reference kernels stay unloaded. Checked in fresh processes (this one imported
-everything long ago).
+ask for stay unloaded, and so do the reference kernels while the extension serves the CPU.
+Checked in fresh processes (this one imported everything long ago).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def _loaded_after(body: str) -> set[str]:
         model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     """) + textwrap.dedent(body) + textwrap.dedent("""
-        print(" ".join(sorted(m for m in sys.modules if m.split(".")[0] in ("ampx", "wrapt"))))
+        from ampx import _ext
+        print(_ext.BACKEND, *sorted(m for m in sys.modules if m.split(".")[0] in ("ampx", "wrapt")))
     """)
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "AMPX_TELEMETRY": ""})
@@ -52,6 +53,8 @@ def test_training_loads_no_tool_it_did_not_ask_for(level: str, dtype: str) -> No
     """)
     assert "ampx.session" in loaded and "ampx.overflow.watch" in loaded  # the check sees them
     assert not loaded & set(ON_DEMAND), sorted(loaded & set(ON_DEMAND))
+    # the extension's kernels ran the pass: the reference kernels were never imported
+    assert ("ampx._reference" in loaded) == ("native" not in loaded)
 
 
 def test_the_tools_load_when_asked_for() -> None:

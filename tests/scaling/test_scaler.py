@@ -95,6 +95,17 @@ def test_scale_loss_value_and_inv_scale():
     assert s.inv_scale().item() == 0.125
 
 
+@pytest.mark.parametrize("scale", [1.0, 3.0, 1e-30, 65536.0 * 3, 7.5e37, 0.0, math.inf])
+def test_inv_scale_is_reciprocal_bitwise(scale: float):
+    s = LossScaler(scale)
+    assert s._scale.dtype == torch.float32 and s._scale.shape == (1,)
+    assert torch.equal(s._scale, s._scale_before_overflow)
+    assert s._scale_before_overflow is not s._scale
+    inv = s.inv_scale()
+    assert inv.dtype == torch.float32 and inv.shape == (1,)
+    assert inv.view(torch.int32).item() == torch.reciprocal(s._scale).view(torch.int32).item()
+
+
 def test_update_does_not_sync(monkeypatch: pytest.MonkeyPatch):
     s = LossScaler("dynamic", init_scale=8.0, growth_interval=1)
 
