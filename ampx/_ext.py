@@ -158,16 +158,6 @@ def _native_module() -> Optional[ModuleType]:
     return _ensure_loaded().native
 
 
-def _served(device: torch.device) -> Optional[ModuleType]:
-    """The extension when its kernels run on `device`, else None."""
-    state = _state if _state.loaded else _ensure_loaded()
-    native = state.native
-    if native is not None and (device.type == "cpu" or (
-            device.type == "cuda" and state.has_cuda and _cuda_usable(state, device))):
-        return native
-    return None
-
-
 def _reference_kernels() -> ModuleType:
     """`ampx._reference`, imported where it first runs: with the extension loaded a CPU
     process never needs it (every module loaded is memory the process keeps)."""
@@ -177,8 +167,12 @@ def _reference_kernels() -> ModuleType:
 
 
 def _impl(device: torch.device) -> Any:
-    native = _served(device)
-    return native if native is not None else _reference_kernels()
+    state = _state if _state.loaded else _ensure_loaded()
+    native = state.native
+    if native is not None and (device.type == "cpu" or (
+            device.type == "cuda" and state.has_cuda and _cuda_usable(state, device))):
+        return native
+    return _reference_kernels()
 
 
 def __getattr__(name: str) -> Any:
@@ -448,8 +442,8 @@ def unscale_pass(sources: list[torch.Tensor], targets: list[torch.Tensor],
         None (nothing was written), or (found_inf, flags or None, assign, results, clear,
         flag_params), as `ampx/csrc/grad_pass.cpp` describes.
     """
-    native = _served(inv_scale.device)
-    if native is None:
+    native = _impl(inv_scale.device)
+    if native is not _state.native:  # the reference kernels serve this device
         return None
     return native.unscale_pass(sources, targets, inv_scale, unit, per_tensor, found_inf,
                                written)
@@ -468,8 +462,8 @@ def next_scale_state(state: tuple[torch.Tensor, ...], found_inf: torch.Tensor,
                      ) -> Optional[tuple[torch.Tensor, ...]]:
     """`LossScaler.next_state` in one native call: (scale, growth tracker, hysteresis
     tracker, overflows since report, scale before overflow), fresh; None on the reference."""
-    native = _served(found_inf.device)
-    if native is None:
+    native = _impl(found_inf.device)
+    if native is not _state.native:  # the reference kernels serve this device
         return None
     growth, backoff, interval, hysteresis, min_scale, max_scale = rule
     return native.next_scale_state(
