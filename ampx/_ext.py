@@ -443,7 +443,7 @@ def unscale_pass(sources: list[torch.Tensor], targets: list[torch.Tensor],
         flag_params), as `ampx/csrc/grad_pass.cpp` describes.
     """
     native = _impl(inv_scale.device)
-    if native is not _state.native:  # the reference kernels serve this device
+    if native is None or native is not _state.native:  # the reference serves this device
         return None
     return native.unscale_pass(sources, targets, inv_scale, unit, per_tensor, found_inf,
                                written)
@@ -463,7 +463,7 @@ def next_scale_state(state: tuple[torch.Tensor, ...], found_inf: torch.Tensor,
     """`LossScaler.next_state` in one native call: (scale, growth tracker, hysteresis
     tracker, overflows since report, scale before overflow), fresh; None on the reference."""
     native = _impl(found_inf.device)
-    if native is not _state.native:  # the reference kernels serve this device
+    if native is None or native is not _state.native:  # the reference serves this device
         return None
     growth, backoff, interval, hysteresis, min_scale, max_scale = rule
     return native.next_scale_state(
