@@ -442,8 +442,8 @@ def unscale_pass(sources: list[torch.Tensor], targets: list[torch.Tensor],
         None (nothing was written), or (found_inf, flags or None, assign, results, clear,
         flag_params), as `ampx/csrc/grad_pass.cpp` describes.
     """
-    native = _impl(inv_scale.device)
-    if native is None or native is not _state.native:  # the reference serves this device
+    native = (_state if _state.loaded else _ensure_loaded()).native
+    if native is None or _impl(inv_scale.device) is not native:  # the reference serves it
         return None
     return native.unscale_pass(sources, targets, inv_scale, unit, per_tensor, found_inf,
                                written)
@@ -462,8 +462,8 @@ def next_scale_state(state: tuple[torch.Tensor, ...], found_inf: torch.Tensor,
                      ) -> Optional[tuple[torch.Tensor, ...]]:
     """`LossScaler.next_state` in one native call: (scale, growth tracker, hysteresis
     tracker, overflows since report, scale before overflow), fresh; None on the reference."""
-    native = _impl(found_inf.device)
-    if native is None or native is not _state.native:  # the reference serves this device
+    native = (_state if _state.loaded else _ensure_loaded()).native
+    if native is None or _impl(found_inf.device) is not native:  # the reference serves it
         return None
     growth, backoff, interval, hysteresis, min_scale, max_scale = rule
     return native.next_scale_state(
