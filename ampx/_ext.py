@@ -30,8 +30,6 @@ from typing import Any, Optional, Union
 
 import torch
 
-from . import _reference
-
 __all__ = ["copy_", "describe", "l2norm", "mul_", "unscale_", "unscale_into_",
            "update_scale_"]
 
@@ -160,13 +158,21 @@ def _native_module() -> Optional[ModuleType]:
     return _ensure_loaded().native
 
 
+def _reference_kernels() -> ModuleType:
+    """`ampx._reference`, imported where it first runs: with the extension loaded a CPU
+    process never needs it (every module loaded is memory the process keeps)."""
+    from . import _reference
+
+    return _reference
+
+
 def _impl(device: torch.device) -> Any:
     state = _state if _state.loaded else _ensure_loaded()
     native = state.native
     if native is not None and (device.type == "cpu" or (
             device.type == "cuda" and state.has_cuda and _cuda_usable(state, device))):
         return native
-    return _reference
+    return _reference_kernels()
 
 
 def __getattr__(name: str) -> Any:
@@ -340,7 +346,7 @@ def l2norm(
     arguments, result and errors.
     """
     if not tensors:
-        return _reference.l2norm(tensors, per_tensor)
+        return _reference_kernels().l2norm(tensors, per_tensor)
     flat = [_local(t) for t in tensors]
     flat = [f if f is not None else t.contiguous().view(-1)
             for t, f in zip(flat, (_flat(t) for t in flat))]
@@ -436,9 +442,8 @@ def unscale_pass(sources: list[torch.Tensor], targets: list[torch.Tensor],
         None (nothing was written), or (found_inf, flags or None, assign, results, clear,
         flag_params), as `ampx/csrc/grad_pass.cpp` describes.
     """
-    native = _impl(inv_scale.device) if not inv_scale.is_cpu else (
-        _state.native if _state.loaded else _ensure_loaded().native)
-    if native is None or native is _reference:
+    native = (_state if _state.loaded else _ensure_loaded()).native
+    if native is None or _impl(inv_scale.device) is not native:  # the reference serves it
         return None
     return native.unscale_pass(sources, targets, inv_scale, unit, per_tensor, found_inf,
                                written)
@@ -481,9 +486,8 @@ def next_scale_state(state: tuple[torch.Tensor, ...], found_inf: torch.Tensor,
     """`LossScaler.next_state` in one native call: (scale, growth tracker, hysteresis
     tracker, overflows since report, scale before overflow, 1/scale, the scale as a 0-d
     view), fresh; None on the reference."""
-    native = _impl(found_inf.device) if not found_inf.is_cpu else (
-        _state.native if _state.loaded else _ensure_loaded().native)
-    if native is None or native is _reference:
+    native = (_state if _state.loaded else _ensure_loaded()).native
+    if native is None or _impl(found_inf.device) is not native:  # the reference serves it
         return None
     growth, backoff, interval, hysteresis, min_scale, max_scale = rule
     return native.next_scale_state(

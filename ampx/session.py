@@ -19,7 +19,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,7 +28,6 @@ from .model import ModelCast
 from .o1 import patch
 from .options.levels import DEFAULTS, Properties, brief, resolve_properties
 from .options.values import HALF_DTYPES, dtype_name, parse_bool
-from .overflow.numerics_report import NumericsReport
 from .overflow.report import OverflowReport
 from .overflow.watch import OverflowWatch, check_module_names
 from .registry import SESSIONS, OptimizerExtension
@@ -37,6 +36,9 @@ from .scaling.masters import optimizer_params
 from .scaling.protocol import OptimizerAmpState, SessionHooks, amp_state_of, unwrap
 from .scaling.scaled_pass import ScaleLossBlock
 from .scaling.scaler import LossScaler
+
+if TYPE_CHECKING:  # loaded with the numerics monitor, only by sessions that watch numerics
+    from .overflow.numerics_report import NumericsReport
 
 __all__ = ["Amp", "add_extension"]
 

@@ -15,16 +15,13 @@ import dataclasses
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 
 from ..options.values import parse_detect_overflow
 from ..scaling.journal import Journal
-from .flags import GradFlags
-from .forward import ForwardDetector
-from .numerics import NumericsMonitor
 from .policy import (
     Fp32Fallback,
     OverflowPolicy,
@@ -33,6 +30,13 @@ from .policy import (
     params_with_masters,
 )
 from .report import OverflowReport, ParamNames
+
+if TYPE_CHECKING:
+    from .forward import ForwardDetector
+    from .numerics import NumericsMonitor
+
+# The detector, the numerics monitor and the skip's flag reader are imported where first used:
+# a session without them and a step that is not skipped never load them (memory every run pays).
 
 __all__ = ["STATE_KEY", "OverflowWatch", "check_module_names", "last_overflow",
            "numerics_report", "with_report"]
@@ -162,7 +166,11 @@ class OverflowWatch:
         self._by_id = {id(p): (p, m) for p, m in self._pairs}
         self.names = ParamNames.from_models(self.models, self._pairs)
         self.casts_patched = casts_patched
-        self.detector = ForwardDetector(self.models) if detect == "forward" else None
+        self.detector: ForwardDetector | None = None
+        if detect == "forward":
+            from .forward import ForwardDetector
+
+            self.detector = ForwardDetector(self.models)
         self.fallbacks: dict[str, Fp32Fallback] = {}
         self._last: weakref.WeakKeyDictionary[Any, OverflowReport] = \
             weakref.WeakKeyDictionary()
@@ -172,6 +180,8 @@ class OverflowWatch:
             for name in keep_fp32:
                 self.apply_fallback(name, why="keep_fp32")
             if numerics == "report":
+                from .numerics import NumericsMonitor
+
                 self.numerics = NumericsMonitor(
                     self.models, dtype, numerics_every, numerics_shadow_every, loss_scale,
                     **({} if call is None else {"call": call}))
@@ -219,6 +229,8 @@ class OverflowWatch:
             OverflowPersistsError: ``on_overflow="raise"`` and the overflows persisted
                 (the report is kept for ``last_overflow`` first).
         """
+        from .flags import GradFlags
+
         flags = GradFlags(self.names)
         for loss_id, holders, tensor in passes:
             flags.record(loss_id, holders, tensor)

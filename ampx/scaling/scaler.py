@@ -110,12 +110,14 @@ class LossScaler:
         self.loss_id = loss_id
         self._start = float(start)
         device = torch.device(device)
-        self._scale = torch.full((1,), start, dtype=torch.float32, device=device)
+        # torch.tensor, not full/clone: their kernels' code pages are resident memory that a
+        # training loop never maps otherwise (benchmarks/bench_memory.py)
+        self._scale = torch.tensor([start], dtype=torch.float32, device=device)
         self._growth_tracker = torch.zeros(1, dtype=torch.int32, device=device)
-        self._hysteresis_tracker = torch.full((1,), self.hysteresis, dtype=torch.int32,
-                                              device=device)
+        self._hysteresis_tracker = torch.tensor([self.hysteresis], dtype=torch.int32,
+                                                device=device)
         self._overflows_since_report = torch.zeros(1, dtype=torch.float32, device=device)
-        self._scale_before_overflow = self._scale.clone()
+        self._scale_before_overflow = torch.tensor([start], dtype=torch.float32, device=device)
         self._last_log = -math.inf
         self._suppressed = 0
         self._floor_warned = False
@@ -190,7 +192,9 @@ class LossScaler:
         cached = self._inv_cache
         if cached is not None and cached[0] is scale and cached[1] == scale._version:
             return cached[2]
-        inv = torch.reciprocal(scale)
+        # 1 / scale by the division kernel the optimizers run anyway (bitwise reciprocal's
+        # result): reciprocal's own code would be pages every process maps for one number
+        inv = torch.ones_like(scale).div_(scale)
         self._inv_cache = (scale, scale._version, inv)
         return inv
 

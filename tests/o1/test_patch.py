@@ -453,6 +453,40 @@ def test_a_failed_setattr_records_nothing() -> None:
     patches.restore()  # nothing to put back, no error
 
 
+def test_patch_resolution_finds_the_stored_attribute() -> None:
+    class Base:
+        @staticmethod
+        def st() -> int:
+            return 1
+
+        @classmethod
+        def cm(cls) -> int:
+            return 2
+
+        def method(self) -> int:
+            return 3
+
+    class Child(Base):
+        pass
+
+    # a class attribute is what the defining class stores (its base's, not a bound method)
+    assert patch._raw_attribute(Child, "st") is vars(Base)["st"]
+    assert isinstance(patch._raw_attribute(Child, "cm"), classmethod)
+    assert patch._raw_attribute(Child, "method") is vars(Base)["method"]
+    assert patch._raw_attribute(torch.Tensor, "add") is vars(torch._C.TensorBase)["add"]
+    assert patch._raw_attribute(torch, "matmul") is vars(torch)["matmul"]  # a module: getattr
+    instance = Child()
+    assert patch._raw_attribute(instance, "method").__func__ is vars(Base)["method"]
+    with pytest.raises(AttributeError):
+        patch._raw_attribute(Child, "missing")
+    # a staticmethod patched on the child is put back by deleting the override
+    patches = patch.PatchSet()
+    patches.apply(Child, "st", staticmethod(lambda: 5))
+    assert Child.st() == 5 and patches.original(Child, "st") is vars(Base)["st"]
+    patches.restore()
+    assert "st" not in vars(Child) and Child.st() == 1
+
+
 @pytest.mark.parametrize("when", ["before", "during"])
 def test_registration_handle_undoes_it(when: str) -> None:
     sigmoid, matmul = vars(torch)["sigmoid"], vars(torch)["matmul"]

@@ -111,6 +111,17 @@ def test_the_scale_derived_by_an_update_follows_the_new_scale(found: float) -> N
     assert torch.equal(s.inv_scale(), torch.reciprocal(s.scale))
 
 
+@pytest.mark.parametrize("scale", [1.0, 3.0, 1e-30, 65536.0 * 3, 7.5e37, 0.0, math.inf])
+def test_inv_scale_is_reciprocal_bitwise(scale: float):
+    s = LossScaler(scale)
+    assert s._scale.dtype == torch.float32 and s._scale.shape == (1,)
+    assert torch.equal(s._scale, s._scale_before_overflow)
+    assert s._scale_before_overflow is not s._scale
+    inv = s.inv_scale()
+    assert inv.dtype == torch.float32 and inv.shape == (1,)
+    assert inv.view(torch.int32).item() == torch.reciprocal(s._scale).view(torch.int32).item()
+
+
 def test_update_does_not_sync(monkeypatch: pytest.MonkeyPatch):
     s = LossScaler("dynamic", init_scale=8.0, growth_interval=1)
 
