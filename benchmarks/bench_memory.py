@@ -21,7 +21,12 @@ Run::
 bf16: a shorter sequence keeps the run short; say so with the numbers).
 
 Targets (issue #21): O1 <= 1.05 x autocast, O2 <= autocast. `--repeat` runs each
-configuration that many times (separate processes) and reports the median.
+configuration that many times (separate processes), interleaved, and reports the medians.
+The peak of one run moves by several MiB between identical runs: address-space randomization
+and the hash seed change the order of allocations, and glibc's heap fragments differently.
+So run i of every configuration gets the same `PYTHONHASHSEED` and, where util-linux's
+`setarch -R` works, no address randomization: each configuration starts alike, and the
+ratios are the median of the per-run ratios (paired runs).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -78,9 +85,24 @@ def child(model_key: str, config: str, dtype_name: str, steps: int = 5,
     return {"above": peak - baseline, "baseline": baseline, "peak_before": peak_before}
 
 
-def run_one(model_key: str, config: str, dtype: str, steps: int, seq: int) -> float:
-    out = subprocess.run([sys.executable, __file__, "--child", model_key, config, dtype,
-                          str(steps), str(seq)], check=True, capture_output=True, text=True)
+def _fixed_layout() -> list[str]:
+    """The command prefix that turns address-space randomization off (util-linux `setarch`),
+    or nothing where there is none."""
+    setarch = shutil.which("setarch")
+    if setarch is None or not sys.platform.startswith("linux"):
+        return []
+    probe = subprocess.run([setarch, platform.machine(), "-R", "true"], capture_output=True)
+    return [setarch, platform.machine(), "-R"] if probe.returncode == 0 else []
+
+
+def run_one(model_key: str, config: str, dtype: str, steps: int, seq: int, run: int,
+            prefix: list[str]) -> float:
+    """One child process: run `run` of every configuration has the same hash seed (and, with
+    `prefix`, the same address layout), so glibc's heap starts each configuration alike."""
+    env = dict(os.environ, PYTHONHASHSEED=str(run + 1))
+    out = subprocess.run([*prefix, sys.executable, __file__, "--child", model_key, config,
+                          dtype, str(steps), str(seq)], check=True, capture_output=True,
+                         text=True, env=env)
     return float(json.loads(out.stdout.strip().splitlines()[-1])["above"])
 
 
@@ -104,13 +126,21 @@ def main() -> None:
     print()
     print("| model | fp32 MiB | autocast MiB | O1 MiB | O2 MiB | O1/autocast | O2/autocast |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
+    prefix = _fixed_layout()
     for key in args.models:
-        peaks = {c: statistics.median(run_one(key, c, args.dtype, args.steps, args.seq)
-                                      for _ in range(args.repeat))
-                 for c in CONFIGS}
+        runs: dict[str, list[float]] = {c: [] for c in CONFIGS}
+        for run in range(args.repeat):  # interleaved: run i of each configuration in turn
+            for c in CONFIGS:
+                runs[c].append(run_one(key, c, args.dtype, args.steps, args.seq, run, prefix))
+        peaks = {c: statistics.median(v) for c, v in runs.items()}
+        ratios = {c: statistics.median(a / b for a, b in zip(runs[c], runs["autocast"]))
+                  for c in ("O1", "O2")}
         print(f"| {MODELS[key]} | " + " | ".join(f"{peaks[c]:.0f}" for c in CONFIGS)
-              + f" | {peaks['O1'] / peaks['autocast']:.2f} | "
-              f"{peaks['O2'] / peaks['autocast']:.2f} |", flush=True)
+              + f" | {ratios['O1']:.2f} | {ratios['O2']:.2f} |", flush=True)
+    print()
+    print("address randomization " + ("off (setarch -R)" if prefix else "on (no setarch)")
+          + "; run i of every configuration with PYTHONHASHSEED=i+1; ratios: median of the "
+          "per-run ratios")
     print()
     print("load average after: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
 
