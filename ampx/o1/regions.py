@@ -10,6 +10,7 @@ guarded read of the per-thread depth.
 from __future__ import annotations
 
 import contextvars
+import inspect
 import sys
 import threading
 import weakref
@@ -32,6 +33,9 @@ _CASTS_DISABLED: contextvars.ContextVar[object] = contextvars.ContextVar(
 )
 
 
+_RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
 class StepScope:
     """The casts-disabled value of a thread while one of its optimizer steps runs.
 
@@ -44,25 +48,46 @@ class StepScope:
     steps the flag is False.
     """
 
-    __slots__ = ("frame", "optimizer_id", "previous")
+    __slots__ = ("frame", "optimizer_id", "previous", "_below")
 
     def __init__(self, frame: Any, optimizer_id: int, previous: object) -> None:
         self.frame = frame
         self.optimizer_id = optimizer_id
         self.previous = previous
+        # The last frame found running above the step's frame: while it runs, its callers
+        # (the step's frame among them) cannot change, so a walk that meets it stops there.
+        # An optimizer's update calls hundreds of wrapped ops from one frame: each read is
+        # then one or two hops instead of a walk down to torch's step wrapper.
+        self._below: Any = None
 
     def running(self) -> bool:
-        """Whether the step's frame is still on this thread's stack."""
-        frame: Any = sys._getframe(1)
+        """Whether the step's frame is still on this thread's stack (read from a wrapper)."""
+        return self._running(sys._getframe(1))
+
+    def _running(self, frame: Any) -> bool:
+        # `frame` reads the flag (the code that called a wrapper); its caller is cached once
+        # the step's frame (or the cached frame) is found below it: while that caller runs,
+        # its own callers cannot change. Not a generator's or coroutine's frame (it can
+        # resume under another caller), and not when the walk found the step's frame at
+        # `frame` itself (its caller is not above the step).
+        first = frame.f_back
+        below = self._below
+        if first is not None and first is below:
+            return True
         target = self.frame
+        if frame is target or frame is below:
+            return True
+        frame = first
         while frame is not None:
-            if frame is target:
+            if frame is target or frame is below:
+                if not first.f_code.co_flags & _RESUMABLE:
+                    self._below = first
                 return True
             frame = frame.f_back
         return False
 
     def __bool__(self) -> bool:
-        if self.running():
+        if self._running(sys._getframe(1)):
             return True
         # The step ended without its post-hook: the value of before the step comes back.
         if _CASTS_DISABLED.get() is self:

@@ -105,6 +105,47 @@ def test_step_that_raises_leaves_casts_on() -> None:
         amp.restore()
 
 
+def test_a_step_that_raises_after_many_ops_leaves_casts_on_for_the_same_code() -> None:
+    """The step flag remembers the frame its reads come from (one or two hops instead of a
+    walk down to torch's step wrapper); after a step that raised, the same code run outside a
+    step, and the loop that called `step()`, cast again."""
+    a = torch.randn(3, 3)
+
+    def ops(n: int) -> list[torch.dtype]:
+        return [torch.mm(a, a).dtype for _ in range(n)]  # wrapped: cast to bf16 when casts on
+
+    def products() -> Any:  # a generator's frame resumes under whoever calls next()
+        while True:
+            yield torch.mm(a, a).dtype
+
+    seen: list[torch.dtype] = []
+    resumed = products()
+
+    class RaisingAfterOps(torch.optim.SGD):
+        def step(self, closure: Any = None) -> None:  # type: ignore[override]
+            seen.extend(ops(5))  # casts off in the step, read 5 times from one frame
+            seen.extend(ops(5))
+            seen.extend([next(resumed), next(resumed)])
+            raise RuntimeError("boom")
+
+    model = nn.Linear(3, 3)
+    amp = ampx.Amp("O1", dtype="bf16", verbosity=0)
+    model, opt = amp.initialize(model, RaisingAfterOps(model.parameters(), lr=0.1))
+    try:
+        loss = model(torch.randn(2, 3)).float().sum()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        with pytest.raises(RuntimeError, match="boom"):
+            opt.step()
+        assert seen == [torch.float32] * 12
+        assert next(resumed) == torch.bfloat16  # (the first read after the step)
+        assert ops(3) == [torch.bfloat16] * 3
+        assert torch.mm(a, a).dtype == torch.bfloat16
+        assert not regions.casts_disabled()
+    finally:
+        amp.restore()
+
+
 def test_restore_inside_a_step_restores_torch() -> None:
     model = nn.Linear(4, 4)
     amp = ampx.Amp("O1", dtype="bf16", verbosity=0)
