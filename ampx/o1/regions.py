@@ -60,11 +60,8 @@ class StepScope:
         # then one or two hops instead of a walk down to torch's step wrapper.
         self._below: Any = None
 
-    def running(self) -> bool:
-        """Whether the step's frame is still on this thread's stack (read from a wrapper)."""
-        return self._running(sys._getframe(1))
-
-    def _running(self, frame: Any) -> bool:
+    def running(self, frame: Any) -> bool:
+        """Whether the step's frame is still on this thread's stack, read from `frame`."""
         # `frame` reads the flag (the code that called a wrapper); its caller is cached once
         # the step's frame (or the cached frame) is found below it: while that caller runs,
         # its own callers cannot change. Not a generator's or coroutine's frame (it can
@@ -87,7 +84,7 @@ class StepScope:
         return False
 
     def __bool__(self) -> bool:
-        if self._running(sys._getframe(1)):
+        if self.running(sys._getframe(1)):
             return True
         # The step ended without its post-hook: the value of before the step comes back.
         if _CASTS_DISABLED.get() is self:

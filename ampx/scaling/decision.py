@@ -9,8 +9,6 @@ decided on the host; `copy_masters` is the O2 master -> model copy of a complete
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from .. import _ext
@@ -44,10 +42,7 @@ class StepDecision:
 
 def version_mark(cache: ParamCache) -> tuple[torch.Tensor, int] | None:
     """(first stepped parameter with a gradient, its version): what `updated` compares."""
-    targets = cache.targets
-    if targets and targets[0].grad is not None:  # the usual step: every parameter has one
-        return targets[0], targets[0]._version
-    for param in itertools.chain(cache.masters, cache.others):
+    for param in cache.targets:  # (masters, then others: usually the first one has one)
         if param.grad is not None:
             return param, param._version
     return None

@@ -99,7 +99,7 @@ class ScaledPass:
 
     def begin(self) -> None:
         """Every optimizer to SCALING, or none (a failure aborts the ones already moved)."""
-        opening = None if self.frame is None else self
+        opening = self.opening
         try:  # (not `Journal.atomic`: this runs every step, and a generator costs)
             for opt, state in self.pairs:
                 state.begin_backward(opt, opening)
