@@ -481,18 +481,21 @@ def with_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def next_scale_state(state: tuple[torch.Tensor, ...], found_inf: torch.Tensor,
-                     rule: tuple[float, float, int, int, float, float]
+                     rule: tuple[float, float, int, int, float, float],
+                     spare: Optional[tuple[torch.Tensor, ...]] = None
                      ) -> Optional[tuple[torch.Tensor, ...]]:
     """`LossScaler.next_state` in one native call: (scale, growth tracker, hysteresis
     tracker, overflows since report, scale before overflow, 1/scale, the scale as a 0-d
-    view), fresh; None on the reference."""
+    view); None on the reference.
+
+    Fresh tensors, or (CPU) `spare` itself written in place: a set of the same seven that
+    nothing but the `spare` tuple holds (`grad_pass.cpp` spare_set checks the reference
+    counts). `rule` is (growth, backoff, interval, hysteresis, floor, ceiling).
+    """
     native = (_state if _state.loaded else _ensure_loaded()).native
     if native is None or _impl(found_inf.device) is not native:  # the reference serves it
         return None
-    growth, backoff, interval, hysteresis, min_scale, max_scale = rule
-    return native.next_scale_state(
-        *state, found_inf, float(growth), float(backoff), int(interval), int(hysteresis),
-        float(min_scale), float(max_scale))
+    return native.next_scale_state(state, found_inf, rule, spare)
 
 
 def describe() -> dict[str, Any]:

@@ -6,7 +6,7 @@
 // floating dtypes present as bitsets, and plans per rule what to cast to what (apply_rule).
 // Casts are made by the same `Tensor.to` call as TensorBase.half/float (GIL released, as
 // torch's binding does), and parameters go through the weight-cast cache's hit path (same
-// table, same validity test, same hit counter; a miss calls the cache's Python closure).
+// table, same validity test, same counters; a miss is made as the cache's closure makes it).
 // Anything this side cannot do exactly as the closure would goes to the closure
 // (call_python). The Python type that calls apply_rule is cast_wrapper.cpp.
 #include <torch/extension.h>
@@ -242,7 +242,55 @@ PyObject* id_key(PyObject* o) {  // borrowed
   return slot.key;
 }
 
-// WeightCastCache.bind's closure: the hit path here, a miss (or anything unusual) there.
+// A miss of WeightCastCache.bind's closure, as that closure makes it: a tensor its `accepts`
+// refuses (not float32 or the other half dtype, or not on a session device) comes back as it
+// is; else the cast, the miss counter, and the entry (unless a `.data` alias of the tensor
+// lives: `WeightCastCache.note_data_access`). Natively because every weight misses once per
+// iteration (the cache is cleared at `scale_loss`): in Python that was O1's forward excess.
+PyObject* cache_miss(CastWrapper* self, PyObject* o, const at::Tensor& t) {
+  const at::ScalarType st = t.scalar_type();
+  if (st != at::ScalarType::Float && st != self->other_half) {
+    Py_INCREF(o);
+    return o;
+  }
+  const int e = eligible(self, t);
+  if (e <= 0) {
+    if (e < 0) {
+      return nullptr;
+    }
+    Py_INCREF(o);
+    return o;
+  }
+  PyObject* cast = to_dtype(t, self->half);
+  if (cast == nullptr) {
+    return nullptr;
+  }
+  self->hits[1] += 1;  // counts[1]: misses
+  PyObject* key = id_key(o);
+  const int seen = key == nullptr ? -1 : PyDict_Contains(self->aliased, key);
+  if (seen != 0) {
+    if (seen < 0) {
+      Py_DECREF(cast);
+      return nullptr;
+    }
+    return cast;
+  }
+  PyObject* version = PyLong_FromLongLong(t._version());
+  PyObject* ptr = version == nullptr ? nullptr : PyLong_FromVoidPtr(t.data_ptr());
+  PyObject* entry = ptr == nullptr ? nullptr : PyTuple_Pack(4, o, version, ptr, cast);
+  Py_XDECREF(version);
+  Py_XDECREF(ptr);
+  if (entry == nullptr || PyDict_SetItem(self->table, key, entry) < 0) {
+    Py_XDECREF(entry);
+    Py_DECREF(cast);
+    return nullptr;
+  }
+  Py_DECREF(entry);
+  return cast;
+}
+
+// WeightCastCache.bind's closure, natively: the hit path, then the miss (the closure's only
+// for a wrapper made without the cache's alias table).
 PyObject* cached_cast(CastWrapper* self, PyObject* o, const at::Tensor& t) {
   HANDLE_TH_ERRORS
   if (self->table != Py_None) {
@@ -279,7 +327,10 @@ PyObject* cached_cast(CastWrapper* self, PyObject* o, const at::Tensor& t) {
       }
     }
   }
-  return PyObject_CallOneArg(self->cached, o);
+  if (self->table == Py_None || !PyDict_CheckExact(self->aliased)) {
+    return PyObject_CallOneArg(self->cached, o);
+  }
+  return cache_miss(self, o, t);
   END_HANDLE_TH_ERRORS
 }
 

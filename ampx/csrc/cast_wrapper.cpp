@@ -10,7 +10,8 @@
 // entry here makes the closure's checks in its order (an explicit `out=`, which runs the
 // original as written; session.live, compiling, the casts-disabled
 // ContextVar that ampx/o1/regions.py sets, read with PyContextVar_Get and truth-tested like
-// the closure does, a TorchFunctionMode), then hands the call to apply_rule in
+// the closure does (a step's StepScope answered here when its cached frame calls: in_step),
+// a TorchFunctionMode), then hands the call to apply_rule in
 // cast_rules.cpp, which walks the arguments and casts them.
 //
 // ampx/o1/wrappers.py subclasses the type in Python with a Python `__call__` (the closure),
@@ -53,6 +54,34 @@ bool explicit_out(PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   return false;
 }
 
+// StepScope.running's first tests, natively: the caller (or its caller) is the frame the
+// scope found above its step. That frame runs, so the step's frame below it does too: casts
+// are off.
+// Anything else (not a scope, no cached frame yet, another frame) is StepScope.__bool__'s.
+bool in_step(PyObject* value) {
+  if (Py_TYPE(value) != G.step_scope) {
+    return false;
+  }
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed: the Python code calling the wrapper
+  if (frame == nullptr) {
+    return false;
+  }
+  PyObject* below = PyObject_GetAttr(value, G.str_below);
+  if (below == nullptr) {
+    PyErr_Clear();  // (__bool__ then reads it and raises what there is to raise)
+    return false;
+  }
+  if (reinterpret_cast<PyObject*>(frame) == below) {
+    Py_DECREF(below);
+    return true;
+  }
+  PyFrameObject* back = PyFrame_GetBack(frame);
+  const bool running = back != nullptr && reinterpret_cast<PyObject*>(back) == below;
+  Py_XDECREF(back);
+  Py_DECREF(below);
+  return running;
+}
+
 PyObject* cw_vectorcall(PyObject* op, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   auto* self = reinterpret_cast<CastWrapper*>(op);
   if (kwnames != nullptr && explicit_out(args, nargsf, kwnames)) {
@@ -77,7 +106,7 @@ PyObject* cw_vectorcall(PyObject* op, PyObject* const* args, size_t nargsf, PyOb
   if (PyContextVar_Get(G.disabled, nullptr, &value) < 0) {
     return nullptr;
   }
-  const int off = value == nullptr ? 0 : truth(value);
+  const int off = value == nullptr ? 0 : in_step(value) ? 1 : truth(value);
   Py_XDECREF(value);
   if (off != 0) {
     return off < 0 ? nullptr : call_original(self, args, nargsf, kwnames);
@@ -93,11 +122,11 @@ PyObject* cw_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     PyErr_SetString(PyExc_RuntimeError, "ampx._C.CastWrapper: call _cast_wrapper_setup first");
     return nullptr;
   }
-  PyObject *original, *python, *session, *half, *devices, *counts, *table, *cached;
+  PyObject *original, *python, *session, *half, *devices, *counts, *table, *cached, *aliased;
   int rule, allow_banned;
-  if (!PyArg_ParseTuple(args, "OOOiO!O!pOOO:CastWrapper", &original, &python, &session, &rule,
+  if (!PyArg_ParseTuple(args, "OOOiO!O!pOOOO:CastWrapper", &original, &python, &session, &rule,
                         &THPDtypeType, &half, &PyFrozenSet_Type, &devices, &allow_banned,
-                        &counts, &table, &cached)) {
+                        &counts, &table, &cached, &aliased)) {
     return nullptr;
   }
   if (rule < LOWER || rule > RNN_CHECK) {
@@ -109,9 +138,10 @@ PyObject* cw_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     PyErr_SetString(PyExc_ValueError, "ampx._C.CastWrapper: the dtype must be a half dtype");
     return nullptr;
   }
-  if ((rule == LOWER || rule == RNN) && (!PyDict_CheckExact(table) || !PyCallable_Check(cached))) {
+  if ((rule == LOWER || rule == RNN) && (!PyDict_CheckExact(table) || !PyCallable_Check(cached) ||
+                                         !PyDict_CheckExact(aliased))) {
     PyErr_SetString(PyExc_TypeError,
-                    "ampx._C.CastWrapper: lower rules need the cache's table and cast");
+                    "ampx._C.CastWrapper: lower rules need the cache's table, cast and aliases");
     return nullptr;
   }
   Py_buffer view;
@@ -132,7 +162,7 @@ PyObject* cw_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   self->counts_view = view;
   self->hits = static_cast<long long*>(view.buf);
   self->vectorcall = cw_vectorcall;
-  PyObject* fields[] = {original, python, session, counts, table, cached, devices};
+  PyObject* fields[] = {original, python, session, counts, table, cached, aliased, devices};
   for (PyObject* f : fields) {
     Py_INCREF(f);
   }
@@ -142,6 +172,7 @@ PyObject* cw_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   self->counts = counts;
   self->table = table;
   self->cached = cached;
+  self->aliased = aliased;
   self->devices = devices;
   self->rule = rule;
   self->half = dtype;
@@ -162,6 +193,7 @@ int cw_traverse(PyObject* op, visitproc visit, void* arg) {
   Py_VISIT(self->counts);
   Py_VISIT(self->table);
   Py_VISIT(self->cached);
+  Py_VISIT(self->aliased);
   Py_VISIT(self->devices);
   return 0;
 }
@@ -174,6 +206,7 @@ int cw_clear(PyObject* op) {
   Py_CLEAR(self->counts);
   Py_CLEAR(self->table);
   Py_CLEAR(self->cached);
+  Py_CLEAR(self->aliased);
   Py_CLEAR(self->devices);
   return 0;
 }
@@ -208,11 +241,12 @@ PyTypeObject CastWrapperType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 PyObject* setup(PyObject* /*module*/, PyObject* args) {
   PyObject *tensor, *parameter, *size, *device, *layout, *memory_format, *compiler_dict,
-      *disabled, *odd;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!OO!:_cast_wrapper_setup", &PyType_Type, &tensor,
+      *disabled, *step_scope, *odd;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!OO!O!:_cast_wrapper_setup", &PyType_Type, &tensor,
                         &PyType_Type, &parameter, &PyType_Type, &size, &PyType_Type, &device,
                         &PyType_Type, &layout, &PyType_Type, &memory_format, &PyDict_Type,
-                        &compiler_dict, &disabled, &PyTuple_Type, &odd)) {
+                        &compiler_dict, &disabled, &PyType_Type, &step_scope, &PyTuple_Type,
+                        &odd)) {
     return nullptr;
   }
   if (!PyContextVar_CheckExact(disabled)) {
@@ -220,7 +254,7 @@ PyObject* setup(PyObject* /*module*/, PyObject* args) {
     return nullptr;
   }
   PyObject* keep[] = {tensor, parameter, size, device, layout, memory_format, compiler_dict,
-                      disabled};
+                      disabled, step_scope};
   for (PyObject* k : keep) {
     Py_INCREF(k);  // held for the life of the process
   }
@@ -233,6 +267,7 @@ PyObject* setup(PyObject* /*module*/, PyObject* args) {
   G.plain[4] = &THPDtypeType;
   G.compiler_dict = compiler_dict;
   G.disabled = disabled;
+  G.step_scope = reinterpret_cast<PyTypeObject*>(step_scope);
   if (G.containers == nullptr) {
     // Containers, then the types only the closure handles (fx's Proxy): both go there.
     PyObject* builtin = PyTuple_Pack(3, &PyList_Type, &PyTuple_Type, &PyDict_Type);
@@ -241,7 +276,8 @@ PyObject* setup(PyObject* /*module*/, PyObject* args) {
     G.str_live = PyUnicode_InternFromString("live");
     G.str_flag = PyUnicode_InternFromString("_is_compiling_flag");
     G.str_out = PyUnicode_InternFromString("out");
-    if (!G.containers || !G.str_live || !G.str_flag || !G.str_out) {
+    G.str_below = PyUnicode_InternFromString("_below");
+    if (!G.containers || !G.str_live || !G.str_flag || !G.str_out || !G.str_below) {
       return nullptr;
     }
   }
@@ -269,8 +305,8 @@ PyObject* seal(PyObject* /*module*/, PyObject* arg) {
 PyMethodDef functions[] = {
     {"_cast_wrapper_setup", setup, METH_VARARGS,
      "_cast_wrapper_setup(Tensor, Parameter, Size, device, layout, memory_format, "
-     "vars(torch.compiler), casts_disabled_var, closure_types): the types and flags "
-     "CastWrapper reads."},
+     "vars(torch.compiler), casts_disabled_var, StepScope, closure_types): the types and "
+     "flags CastWrapper reads."},
     {"_seal_cast_wrapper", seal, METH_O,
      "_seal_cast_wrapper(cls): give a Python subclass of CastWrapper the C call slot."},
     {nullptr, nullptr, 0, nullptr},

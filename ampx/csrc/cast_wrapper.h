@@ -33,9 +33,11 @@ struct Globals {
   PyObject* containers = nullptr;  // (list, tuple, dict, *closure_types): isinstance -> closure
   PyObject* compiler_dict = nullptr;  // vars(torch.compiler)
   PyObject* disabled = nullptr;  // ampx.o1.regions._CASTS_DISABLED
+  PyTypeObject* step_scope = nullptr;  // ampx.o1.regions.StepScope (its value during a step)
   PyObject* str_live = nullptr;
   PyObject* str_flag = nullptr;
   PyObject* str_out = nullptr;
+  PyObject* str_below = nullptr;
 };
 extern Globals G;  // defined in cast_wrapper.cpp
 
@@ -49,7 +51,8 @@ struct CastWrapper {
   PyObject* session;  // reads `.live`
   PyObject* counts;  // the cache's [hits, misses] int64 array (WeightCastCache.counters())
   PyObject* table;  // the cache's table for the half dtype (id -> entry), or None
-  PyObject* cached;  // the cache's bound Python cast (misses), or None
+  PyObject* cached;  // the cache's bound Python cast (the reference of a miss), or None
+  PyObject* aliased;  // the cache's id -> live `.data` aliases (kept out of the table), or None
   PyObject* devices;  // frozenset of device type names
   Py_buffer counts_view;  // held: the array cannot be resized while it is exported
   long long* hits;  // counts[0]

@@ -209,18 +209,116 @@ py::object wrap(const at::Tensor& t) {
   return py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
 }
 
-py::object next_scale_state(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                           const at::Tensor& hysteresis_tracker,
-                           const at::Tensor& overflows_since_report,
-                           const at::Tensor& scale_before_overflow,
-                           const at::Tensor& found_inf, double growth, double backoff,
-                           int64_t interval, int64_t hysteresis, double min_scale,
-                           double max_scale) {
-  auto state = next_state(scale, growth_tracker, hysteresis_tracker, overflows_since_report,
-                          scale_before_overflow, found_inf,
-                          rule_of(growth, backoff, interval, hysteresis, min_scale, max_scale));
-  if (!state) return py::none();
-  const State& n = *state;
+// How many references a tensor's Python object gets from its C++ holders (1 where the
+// tensor keeps its Python object alive while C++ holds it, recent torch; else 0), measured
+// once on a probe: a tensor held by C++ (`probe`) and by one Python reference (`obj`).
+Py_ssize_t owned_pyobj_refs() {
+  static const Py_ssize_t extra = [] {
+    at::Tensor probe = at::zeros({1});
+    PyObject* obj = THPVariable_Wrap(probe);
+    const Py_ssize_t n = obj == nullptr ? -1 : Py_REFCNT(obj) - 1;
+    Py_XDECREF(obj);
+    if (obj == nullptr) PyErr_Clear();
+    return n;
+  }();
+  return extra;
+}
+
+// Whether `obj` (a tensor in the spare tuple) is held by nothing else: no other Python
+// reference, no other C++ holder but `holders` (the scale: its view's base), and not
+// exported as a view (`storage_users` tensors on its storage: itself, and the view).
+bool unheld(PyObject* obj, long holders, long storage_users) {
+  if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) return false;
+  const at::Tensor& x = THPVariable_Unpack(obj);
+  const long uses = static_cast<long>(x.use_count());  // its Python object's, and holders
+  const Py_ssize_t extra = owned_pyobj_refs();
+  if (extra < 0 || uses < 1 || uses > 1 + holders) return false;
+  if (Py_REFCNT(obj) != 1 + (uses > 1 ? extra : 0)) return false;
+  return static_cast<long>(x.storage().use_count()) <= storage_users && !x.is_inference() &&
+         !x.requires_grad() && x.is_cpu() && x.numel() == 1 && x.is_contiguous() &&
+         x.layout() == at::kStrided;
+}
+
+// The scaler's spare set (its state of two passes ago: scale, growth tracker, hysteresis
+// tracker, overflows since report, scale before overflow, 1/scale, the 0-d scale view) when
+// nothing but the spare tuple can reach it (`unheld`): an autograd graph that saved the view,
+// a caller that kept `scaler.scale`, another view of it: any of these makes the set not
+// spare. CPU only: five scalars and 1/scale are written there in place of seven fresh
+// tensors (an allocation each, per pass).
+std::optional<std::array<at::Tensor, 7>> spare_set(const py::object& spare) {
+  if (!PyTuple_CheckExact(spare.ptr()) || PyTuple_GET_SIZE(spare.ptr()) != 7) {
+    return std::nullopt;
+  }
+  PyObject* const* items = &PyTuple_GET_ITEM(spare.ptr(), 0);
+  // the scale: held by its view (as the view's base) too, its storage shared with the view
+  if (!unheld(items[0], 1, 2) || !unheld(items[6], 0, 2)) return std::nullopt;
+  for (size_t i = 1; i < 6; ++i) {
+    if (!unheld(items[i], 0, 1)) return std::nullopt;
+  }
+  std::array<at::Tensor, 7> t;
+  const auto f32 = at::ScalarType::Float;
+  const auto i32 = at::ScalarType::Int;
+  const at::ScalarType dtypes[7] = {f32, i32, i32, f32, f32, f32, f32};
+  for (size_t i = 0; i < 7; ++i) {
+    t[i] = THPVariable_Unpack(items[i]);
+    if (t[i].scalar_type() != dtypes[i]) return std::nullopt;
+  }
+  if (t[0].dim() != 1 || t[6].dim() != 0 || t[6].data_ptr() != t[0].data_ptr() ||
+      !t[6].storage().is_alias_of(t[0].storage()))
+    return std::nullopt;
+  return t;
+}
+
+py::object next_scale_state(const py::tuple& state, const at::Tensor& found_inf,
+                            const py::tuple& rule, const py::object& spare) {
+  if (state.size() != 5 || rule.size() != 6) throw py::value_error("next_scale_state: arity");
+  std::array<const at::Tensor*, 5> cur{};
+  for (size_t i = 0; i < 5; ++i) {
+    cur[i] = tensor_of(state[i].ptr());
+    if (cur[i] == nullptr) return py::none();
+  }
+  const ScaleParams p = rule_of(rule[0].cast<double>(), rule[1].cast<double>(),
+                                rule[2].cast<int64_t>(), rule[3].cast<int64_t>(),
+                                rule[4].cast<double>(), rule[5].cast<double>());
+  const at::Tensor& scale = *cur[0];
+  auto set = found_inf.is_cpu() && scale.is_cpu() ? spare_set(spare) : std::nullopt;
+  if (set) {
+    auto& t = *set;
+    const at::Device d = scale.device();
+    const auto f32 = at::ScalarType::Float;
+    const auto i32 = at::ScalarType::Int;
+    if (!scalar_of(scale, f32, d) || !scalar_of(*cur[1], i32, d) ||
+        !scalar_of(*cur[2], i32, d) || !scalar_of(*cur[3], f32, d) ||
+        !scalar_of(*cur[4], f32, d) || !scalar_of(found_inf, f32, d))
+      return py::none();
+    // next_state's CPU branch, into the spare tensors
+    const float old_since = cur[3]->data_ptr<float>()[0];
+    const float found = found_inf.data_ptr<float>()[0];
+    *t[0].data_ptr<float>() = *scale.data_ptr<float>();
+    *t[1].data_ptr<int32_t>() = *cur[1]->data_ptr<int32_t>();
+    *t[2].data_ptr<int32_t>() = *cur[2]->data_ptr<int32_t>();
+    *t[4].data_ptr<float>() = old_since > 0.f ? *cur[4]->data_ptr<float>() : *scale.data_ptr<float>();
+    *t[3].data_ptr<float>() = (std::isnan(old_since) || std::isnan(found))
+                                  ? std::numeric_limits<float>::quiet_NaN()
+                                  : std::max(old_since, found);
+    update_scale_cpu(t[0], t[1], t[2], found_inf, p);
+    *t[5].data_ptr<float>() = 1.0f / *t[0].data_ptr<float>();
+    // written through raw pointers: the version counters must still move (the scaler's
+    // caches test identity and version; the view shares the scale's counter)
+    for (size_t i = 0; i < 6; ++i) t[i].unsafeGetTensorImpl()->bump_version();
+    // a new tuple: from here the set is held twice (the scaler's spare tuple and the caller's
+    // result) until the caller commits or drops it, so no other pass (another thread's, before
+    // this one commits) can take it as spare too
+    PyObject* const* items = &PyTuple_GET_ITEM(spare.ptr(), 0);
+    py::tuple out(7);
+    for (Py_ssize_t i = 0; i < 7; ++i) {
+      out[i] = py::reinterpret_borrow<py::object>(items[i]);
+    }
+    return std::move(out);
+  }
+  auto next = next_state(scale, *cur[1], *cur[2], *cur[3], *cur[4], found_inf, p);
+  if (!next) return py::none();
+  const State& n = *next;
   // and 1/scale, which the next pass unscales by (torch.reciprocal's value: IEEE division)
   at::Tensor inv;
   if (n[0].is_cpu()) {
@@ -401,11 +499,10 @@ void init_grad_pass(py::module& m) {
         "setattr for each (object, name, value) of a flat tuple: all or none.");
   m.def("with_grads", &with_grads, arg("params"),
         "The parameters of a list that have a gradient.");
-  m.def("next_scale_state", &next_scale_state, arg("scale"), arg("growth_tracker"),
-        arg("hysteresis_tracker"), arg("overflows_since_report"),
-        arg("scale_before_overflow"), arg("found_inf"), arg("growth"), arg("backoff"),
-        arg("interval"), arg("hysteresis"), arg("min_scale"), arg("max_scale"),
-        "LossScaler.next_state in one call: five fresh tensors, 1/scale, the 0-d scale.");
+  m.def("next_scale_state", &next_scale_state, arg("state"), arg("found_inf"), arg("rule"),
+        arg("spare") = py::none(),
+        "LossScaler.next_state in one call: the five state tensors, 1/scale and the 0-d "
+        "scale, fresh or written into `spare` (see spare_set).");
 }
 
 }  // namespace ampx

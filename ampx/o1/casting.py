@@ -231,6 +231,11 @@ class WeightCastCache:
         """
         return self._tables.setdefault(dtype, {})
 
+    def aliases(self) -> dict[int, int]:
+        """The live id(param) -> `.data` alias count (a miss of the native O1 wrapper keeps
+        those parameters out of the table, as `bind`'s closure does)."""
+        return self._aliased
+
     def note_data_access(self, param: torch.Tensor, alias: torch.Tensor | None) -> None:
         """`param.data` was read (giving `alias`) or assigned (`alias` None): forget its casts.
 

@@ -309,8 +309,9 @@ def _deactivate() -> None:
 
 def clear_cache() -> None:
     """Forget the cast weights (called when an iteration ends)."""
-    if PATCHES.active is not None:
-        PATCHES.active.cache.clear()
+    active = PATCHES.active
+    if active is not None:
+        active.caster.cache.clear()
 
 
 def _ext_reason() -> str:

@@ -30,7 +30,13 @@ from .casters import Caster, Converter, TensorCast
 from .casting import map_tensors
 from .interop import fx_record, fx_state, mark_scriptable, name_as_installed, reduce_like
 from .lists import CastRule
-from .regions import _CASTS_DISABLED, LOCAL, eager_depth_when_compiling, in_compiled_region
+from .regions import (
+    _CASTS_DISABLED,
+    LOCAL,
+    StepScope,
+    eager_depth_when_compiling,
+    in_compiled_region,
+)
 from .registry import PATCHES
 
 __all__ = ["Live", "decorator_wrapper", "make_native", "make_wrapper", "native_class"]
@@ -200,10 +206,11 @@ def _build_native_class() -> type | None:
     base = getattr(module, "CastWrapper", None)
     if module is None or base is None:
         return None
-    # fx Proxies go to the closure, which records them (interop.fx_record).
+    # fx Proxies go to the closure, which records them (interop.fx_record). A step's
+    # StepScope is read natively where its cached frame answers (StepScope.running).
     module._cast_wrapper_setup(torch.Tensor, torch.nn.Parameter, torch.Size, torch.device,
                                torch.layout, torch.memory_format, vars(torch.compiler),
-                               _CASTS_DISABLED, (torch.fx.Proxy,))
+                               _CASTS_DISABLED, StepScope, (torch.fx.Proxy,))
 
     class NativeCastWrapper(base):  # type: ignore[misc, valid-type]
         """O1's native cast wrapper. Eager calls run the C call slot; dynamo inlines this
@@ -236,13 +243,14 @@ def make_native(python: Callable[..., Any], original: Callable[..., Any], policy
     config = caster.config
     if cls is None or config.verbose:
         return None
-    table = cached = None
+    table = cached = aliases = None
     if policy in (CastRule.LOWER, CastRule.RNN):
         cached = caster.half_cache_cast()
         table = caster.cache.table(config.dtype)
+        aliases = caster.cache.aliases()
     native = cls(original, python, session, _RULE_CODES[policy], config.dtype,
                  frozenset(config.device_types), config.allow_banned, caster.cache.counters(),
-                 table, cached)
+                 table, cached, aliases)
     functools.update_wrapper(native, original)
     native.__module__, native.__qualname__ = python.__module__, python.__qualname__
     native._ampx_python = python

@@ -361,14 +361,15 @@ class OptimizerAmpState:
         (the pass commits every optimizer's and the scaler's in one call); nothing is set here.
         """
         out: list[Any] = []
-        for (param, _, _), grad in zip(work.assign, work.results):
-            if param.grad is not grad:  # a gradient checked in place is already there
-                out += (param, "grad", grad)
-        for model_param in work.clear:
-            out += (model_param, "grad", None)
-        for param, _ in self.dropped.values():
-            if param.grad is not None and all(param is not p for p in work.clear):
-                out += (param, "grad", None)
+        if work.assign or work.clear or self.dropped:  # (none after a clean native pass)
+            for (param, _, _), grad in zip(work.assign, work.results):
+                if param.grad is not grad:  # a gradient checked in place is already there
+                    out += (param, "grad", grad)
+            for model_param in work.clear:
+                out += (model_param, "grad", None)
+            for param, _ in self.dropped.values():
+                if param.grad is not None and all(param is not p for p in work.clear):
+                    out += (param, "grad", None)
         if self.stash:
             out += (self, "stash", {})
         if self.dropped:
@@ -403,17 +404,17 @@ class OptimizerAmpState:
         Releases the half model gradients behind masters (as apex's O2 zero_grad did), the
         stash, the scaled-gradients mark and the pending overflow flag.
         """
-        if self.stage is Stage.SCALING and not self.heal_abandoned(optimizer):
-            return
-        if self._decision is not None:
-            self._heal(optimizer)
-        if (self.stage is Stage.READY and self.found_inf is None and not self.stash
-                and not self.dropped and not self.loss_ids and not self.overflow_flags
-                and self._decision is None):
+        if (self.stage is Stage.READY and self._decision is None and self.found_inf is None
+                and not self.stash and not self.dropped and not self.loss_ids
+                and not self.overflow_flags):
             # the usual zero_grad right after a step: nothing to release (at O2, unless
             # half model gradients appeared since)
             if not self.masters or not _ext.with_grads(self.cache(optimizer).models):
                 return
+        if self.stage is Stage.SCALING and not self.heal_abandoned(optimizer):
+            return
+        if self._decision is not None:
+            self._heal(optimizer)
         cache = self.cache(optimizer)
         journal = Journal()
         try:

@@ -68,7 +68,12 @@ class ScaledPass:
                  states: Sequence[OptimizerAmpState], scaler: LossScaler,
                  sync: Callable[[torch.Tensor], None] | None = None,
                  frame: Any = None) -> None:
-        self.pairs = list(zip(optimizers, states))
+        self._open(list(zip(optimizers, states)), scaler, sync, frame)
+
+    def _open(self, pairs: Sequence[tuple[torch.optim.Optimizer, OptimizerAmpState]],
+              scaler: LossScaler, sync: Callable[[torch.Tensor], None] | None,
+              frame: Any) -> None:
+        self.pairs = pairs
         self.scaler = scaler
         self.sync = sync
         self.frame = frame  # where the block is: its thread, its frame, its entry offset
@@ -99,7 +104,7 @@ class ScaledPass:
 
     def begin(self) -> None:
         """Every optimizer to SCALING, or none (a failure aborts the ones already moved)."""
-        opening = self.opening
+        opening = None if self.frame is None else self  # (`opening`, inline: every step)
         try:  # (not `Journal.atomic`: this runs every step, and a generator costs)
             for opt, state in self.pairs:
                 state.begin_backward(opt, opening)
@@ -199,8 +204,9 @@ class _Session(Protocol):
     def synchronize_found_inf(self, found_inf: torch.Tensor) -> None: ...
 
 
-class ScaleLossBlock:
-    """The `with amp.scale_loss(...)` block (a class, not a generator: it runs every step).
+class ScaleLossBlock(ScaledPass):
+    """The `with amp.scale_loss(...)` block, which is its own pass (a class, not a generator:
+    it runs every step).
 
     `__enter__` checks the arguments, moves every optimizer to SCALING (or none) and returns
     the scaled loss; `__exit__` ends the pass (unscale, check, commit all at once) or, on an
@@ -211,35 +217,37 @@ class ScaleLossBlock:
     """
 
     __slots__ = ("_amp", "_loss", "_optimizers", "_loss_id", "_delay_unscale", "_check",
-                 "_pass", "_states", "_mode")
+                 "_mode")
 
     def __init__(self, amp: _Session, loss: torch.Tensor, optimizers: Any, loss_id: int,
                  delay_unscale: bool, delay_overflow_check: bool) -> None:
+        # (the pass's own fields are set by `__enter__`, which knows them)
         self._amp = amp
         self._loss = loss
         self._optimizers = optimizers
         self._loss_id = loss_id
         self._delay_unscale = delay_unscale
         self._check = not delay_overflow_check
-        self._pass: ScaledPass | None = None
-        self._states: list[OptimizerAmpState] = []
         self._mode = ""  # "off" (disabled), "short" (apex's short-circuit) or "scaled"
 
     def __enter__(self) -> torch.Tensor:
-        amp, loss, loss_id = self._amp, self._loss, self._loss_id
+        amp = self._amp
         if not amp.enabled:
             self._mode = "off"
-            return loss
+            return self._loss
         optimizers = self._optimizers
         state = vars(optimizers).get(ATTR) if isinstance(optimizers, torch.optim.Optimizer) \
             else None
         if state is not None and state.owner is amp:  # the usual call: one optimizer
-            opts, states = [optimizers], [state]
+            pairs: Sequence[tuple[Any, OptimizerAmpState]] = ((optimizers, state),)
+            scales = state.policy.scales
         else:
             opts = [unwrap(opt) for opt in optimizers] if isinstance(
                 optimizers, (list, tuple)) else [] if optimizers is None \
                 else [unwrap(optimizers)]  # Lightning's, ...
-            states = [amp._state_of(opt) for opt in opts]
+            pairs = [(opt, amp._state_of(opt)) for opt in opts]
+            scales = pairs[0][1].policy.scales if len(pairs) == 1 else amp.scales_gradients
+        loss_id = self._loss_id
         scalers = amp.scalers
         if not 0 <= loss_id < len(scalers):
             raise IndexError(
@@ -247,22 +255,21 @@ class ScaleLossBlock:
                 "num_losses=N to initialize to get N loss scalers."
             )
         scaler = scalers[loss_id]
-        scales = states[0].policy.scales if len(states) == 1 else amp.scales_gradients
         if not scales and scaler.unit_scale():
             # apex's short-circuit (O0, O3 with fp16) while the static scale is 1.0; a scale
             # written since (`_loss_scale = 4.0`, apex's L0 tests) scales and unscales
-            self._mode, self._states = "short", states
-            return loss.float()
-        scaled = self._pass = ScaledPass(  # with the `with` statement's frame, at its entry
-            opts, states, scaler, amp.synchronize_found_inf, sys._getframe(1))
+            self._mode, self.pairs = "short", pairs
+            return self._loss.float()
+        # with the `with` statement's frame, at its entry
+        self._open(pairs, scaler, amp.synchronize_found_inf, sys._getframe(1))
         self._mode = "scaled"
         try:
-            scaled.begin()
-            value = scaler.scale_loss_value(loss)
+            self.begin()
+            value = scaler.scale_loss_value(self._loss)
             _drop_weight_casts()
             return value
         except BaseException:
-            scaled.abort()
+            self.abort()
             patch.clear_cache()
             raise
 
@@ -273,19 +280,17 @@ class ScaleLossBlock:
         try:
             if mode == "short":
                 if exc_type is None:
-                    for state in self._states:
+                    for _, state in self.pairs:
                         state.last_loss = self._loss.detach()
                 return
-            scaled = self._pass
-            assert scaled is not None  # set by __enter__
             if exc_type is not None:
-                scaled.abort()
+                self.abort()
                 return
             try:  # (`end` aborts on its own failures; this also covers its entry)
-                scaled.end(self._loss.detach(), loss_id=self._loss_id,
-                           delay_unscale=self._delay_unscale, check=self._check)
+                self.end(self._loss.detach(), loss_id=self._loss_id,
+                         delay_unscale=self._delay_unscale, check=self._check)
             except BaseException:
-                scaled.abort()
+                self.abort()
                 raise
         finally:
             patch.clear_cache()

@@ -38,6 +38,7 @@ logger = logging.getLogger("ampx")
 
 STATE_VERSION = checkpoint.STATE_VERSION
 _STATIC_INTERVAL = 2**31 - 1  # a static scaler never grows; it only counts clean steps
+_STATIC_RULE = (1.0, 1.0, _STATIC_INTERVAL, 1, 0.0, math.inf)
 _LOG_INTERVAL_S = 30.0  # overflow messages after the first few are rate-limited to this
 _LOG_FIRST = 3  # overflow messages always logged before rate limiting starts
 # Without a min_loss_scale the scale backs off no lower than 1.0 (DeepSpeed's floor). apex's
@@ -49,7 +50,6 @@ _float, _mul, _reshape = torch._C.TensorBase.float, torch._C.TensorBase.mul, \
     torch._C.TensorBase.reshape
 _TENSORS = ("_scale", "_growth_tracker", "_hysteresis_tracker", "_overflows_since_report",
             "_scale_before_overflow")
-_DERIVED = ("_inv_cache", "_scale_view")  # what the fused update also makes (else lazily)
 
 
 class LossScaler:
@@ -126,6 +126,9 @@ class LossScaler:
         self._unit_mark: tuple[torch.Tensor, int] | None = None
         self._inv_cache: tuple[torch.Tensor, int, torch.Tensor] | None = None  # inv_scale
         self._scale_view: tuple[torch.Tensor, torch.Tensor] | None = None  # (scale, 0-d view)
+        # the state a pass replaced (the five, 1/scale, the view): the native update writes
+        # the state after next there when nothing else holds it (`_ext.next_scale_state`)
+        self._spare: tuple[torch.Tensor, ...] | None = None
         self._mark_unit(not self.dynamic and start == 1.0)
 
     # -- device placement -------------------------------------------------------------
@@ -140,6 +143,7 @@ class LossScaler:
             unit = self.unit_scale()
             for name in _TENSORS:
                 setattr(self, name, getattr(self, name).to(device))
+            self._spare = None
             self._mark_unit(unit)
 
     # -- host knowledge of a unit scale (no sync) ------------------------------------------
@@ -211,19 +215,23 @@ class LossScaler:
         return min(_DEFAULT_FLOOR, self._start)
 
     def next_state(self, found_inf: torch.Tensor) -> dict[str, Any]:
-        """The state after one backward pass with flag `found_inf`, as fresh tensors.
+        """The state after one backward pass with flag `found_inf`.
 
         Nothing of the scaler changes; `commit` installs the result (the transactional half
-        of `update_`, used by the scaled-backward protocol).
+        of `update_`, used by the scaled-backward protocol). The tensors are fresh, or (the
+        native CPU update) the spare set, the state the last commit replaced, written in
+        place when nothing but the scaler holds any of it: a kept `scale`, a graph that
+        saved the scaled loss's factor, keep theirs (`_ext.next_scale_state`).
         """
         found = found_inf if found_inf.get_device() == self._scale.get_device() \
             else found_inf.to(self.device)  # (`get_device`: an int, no device object)
         rule = self.rule
-        fused = _ext.next_scale_state(self.tensors(), found, rule)
+        fused = _ext.next_scale_state(self.tensors(), found, rule, self._spare)
         if fused is not None:  # the same five ops as below, in one native call (and 1/scale)
             fresh: dict[str, Any] = dict(zip(_TENSORS, fused))
             fresh["_inv_cache"] = (fused[0], fused[0]._version, fused[5])
             fresh["_scale_view"] = (fused[0], fused[6])
+            fresh["_spare"] = self._current_set()
             return fresh
         # the three the kernel updates in place are cloned; the other two are computed anew
         new = {name: getattr(self, name).clone() for name in _TENSORS[:3]}
@@ -235,6 +243,16 @@ class LossScaler:
                            found, *rule)
         return new
 
+    def _current_set(self) -> tuple[torch.Tensor, ...] | None:
+        """The seven tensors of the state in force (the five, 1/scale, the 0-d view), which
+        become the spare once a new state is committed; None while 1/scale or the view is
+        not of the current scale."""
+        scale, inv, view = self._scale, self._inv_cache, self._scale_view
+        if inv is None or view is None or inv[0] is not scale or view[0] is not scale:
+            return None
+        return (scale, self._growth_tracker, self._hysteresis_tracker,
+                self._overflows_since_report, self._scale_before_overflow, inv[2], view[1])
+
     @property
     def rule(self) -> tuple[float, float, int, int, float, float]:
         """(growth, backoff, interval, hysteresis, floor, ceiling) of the update rule; a
@@ -243,7 +261,7 @@ class LossScaler:
             return (float(self.growth_factor), float(self.backoff_factor),
                     int(self.growth_interval), int(self.hysteresis), float(self.floor),
                     float(self.max_loss_scale))
-        return (1.0, 1.0, _STATIC_INTERVAL, 1, 0.0, math.inf)
+        return _STATIC_RULE
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The five state tensors, in `next_state`'s order (read-only)."""
@@ -258,12 +276,8 @@ class LossScaler:
         refused), so a known unit scale stays known.
         """
         out: list[Any] = []
-        for name in _TENSORS:
-            if name in new:
-                out += (self, name, new[name])
-        for name in _DERIVED:
-            if name in new:
-                out += (self, name, new[name])
+        for name, value in new.items():  # (`next_state`'s or a checkpoint's names only)
+            out += (self, name, value)
         if self.unit_scale():
             scale = new.get("_scale", self._scale)
             out += (self, "_unit_mark", (scale, scale._version))

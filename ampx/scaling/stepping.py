@@ -77,40 +77,44 @@ def check_optimizers(optimizers: Any) -> tuple[list[torch.optim.Optimizer], bool
     return out, was_list
 
 
-class _ZeroGrad:
-    """The instance-level `zero_grad`: the optimizer's own, then the protocol's."""
+def _zero_grad_handler(optimizer: torch.optim.Optimizer, original: Any) -> Any:
+    """The instance-level `zero_grad`: the optimizer's own, then the protocol's.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, original: Any) -> None:
-        self._ref = weakref.ref(optimizer)
-        self.original = original  # the instance attribute it replaced, or None
+    A plain function (a class with `__call__` costs a slot lookup per call); `original` is
+    the instance attribute it replaced, or None.
+    """
+    ref = weakref.ref(optimizer)
 
-    def __call__(self, set_to_none: bool = True) -> None:
+    def zero_grad(set_to_none: bool = True) -> None:
         regions.drop_ended_steps()  # a step of this thread that raised
-        optimizer = self._ref()
+        optimizer = ref()
         if optimizer is None:
             return
-        if self.original is not None:
-            self.original(set_to_none)
+        if original is not None:
+            original(set_to_none)
         else:
             type(optimizer).zero_grad(optimizer, set_to_none)
         state = vars(optimizer).get(ATTR)
         if state is not None:
             state.zero_grad(optimizer)
 
+    return zero_grad
+
 
 class _Detach:
     """A removable handle that puts the optimizer's `zero_grad` back."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, handler: _ZeroGrad) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, handler: Any, original: Any) -> None:
         self._ref = weakref.ref(optimizer)
         self._handler = handler
+        self._original = original  # the instance attribute the handler replaced, or None
 
     def remove(self) -> None:
         optimizer = self._ref()
         if optimizer is None or vars(optimizer).get("zero_grad") is not self._handler:
             return
-        if self._handler.original is not None:
-            optimizer.zero_grad = self._handler.original  # type: ignore[method-assign]
+        if self._original is not None:
+            optimizer.zero_grad = self._original  # type: ignore[method-assign]
         else:
             del optimizer.zero_grad
 
@@ -127,7 +131,8 @@ def attach(optimizer: torch.optim.Optimizer, owner: object, masters: MasterMap,
     """
     state = OptimizerAmpState(owner=owner, policy=session_hooks, masters=masters)
     state._groups_seen = len(optimizer.param_groups)
-    handler = _ZeroGrad(optimizer, vars(optimizer).get("zero_grad"))
+    original = vars(optimizer).get("zero_grad")
+    handler = _zero_grad_handler(optimizer, original)
     state.handles.append(optimizer.register_step_pre_hook(_step_pre_hook))
     post = optimizer.register_step_post_hook(_step_post_hook)
     # ampx's post hook runs first: a user's post hook that raises (registered before
@@ -137,7 +142,7 @@ def attach(optimizer: torch.optim.Optimizer, owner: object, masters: MasterMap,
         hooks.move_to_end(post.id, last=False)
     state.handles.append(post)
     optimizer.zero_grad = handler  # type: ignore[method-assign]
-    state.handles.append(_Detach(optimizer, handler))
+    state.handles.append(_Detach(optimizer, handler, original))
     setattr(optimizer, ATTR, state)
     return state
 

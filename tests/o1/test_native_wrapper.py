@@ -380,3 +380,97 @@ def test_verbose_sessions_keep_the_closures() -> None:
     patch.activate(patch.CastConfig(dtype=torch.float16, device_types=_CPU, verbose=True))
     assert patch.active().native is False  # type: ignore[union-attr]
     assert isinstance(vars(F)["linear"], types.FunctionType)
+
+
+def _frames_named(name: str) -> Callable[[], int]:
+    """Start counting calls of Python functions called `name`; returns the reader."""
+    count = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_name == name:
+            count[0] += 1
+
+    sys.setprofile(profile)
+
+    def stop() -> int:
+        sys.setprofile(None)
+        return count[0]
+
+    return stop
+
+
+def test_weight_cache_misses_are_made_natively_as_the_closure_makes_them(
+        half_dtype: torch.dtype) -> None:
+    """A miss (every weight's first cast of an iteration) never enters the cache's Python
+    closure, and leaves the same entries, counters and casts: float64 and other-half
+    parameters, and a parameter whose `.data` alias lives (kept out of the table)."""
+    other = torch.bfloat16 if half_dtype == torch.float16 else torch.float16
+    seen = {}
+    for native in (True, False):
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 4)
+        wide = nn.Parameter(torch.rand(4, 4, dtype=torch.float64))
+        halfish = nn.Parameter(torch.rand(4, 4).to(other))
+        aliased = nn.Parameter(torch.rand(4, 4))
+        patch.activate(patch.CastConfig(dtype=half_dtype, device_types=_CPU), native=native)
+        cache = patch.active().cache  # type: ignore[union-attr]
+        alias = aliased.data  # lives through the forward: `aliased` stays out of the table
+        x = torch.rand(2, 4)
+        stop = _frames_named("cached_cast")
+        outs = [lin(x), lin(x), F.linear(x.double(), wide), F.linear(x, halfish),
+                F.linear(x, aliased), F.linear(x, aliased)]
+        closure_calls = stop()
+        table = cache.table(half_dtype)
+        entries = sorted((tuple(e[0].shape), e[1], e[3].dtype) for e in table.values())
+        seen[native] = (cache.hits, cache.misses, entries, id(aliased) in table,
+                        id(halfish) in table, outs, closure_calls)
+        del alias
+        patch.deactivate()
+    assert seen[True][:5] == seen[False][:5]
+    hits, misses, entries, aliased_cached, halfish_cached = seen[True][:5]
+    # lin's weight and bias miss then hit; halfish misses once; aliased misses every time;
+    # a float64 parameter is no cast (not even a miss)
+    assert (hits, misses) == (2, 5)
+    assert not aliased_cached and halfish_cached
+    assert [e[2] for e in entries] == [half_dtype] * 3
+    for a, b in zip(seen[True][5], seen[False][5]):
+        _same(a, b)
+        assert a.requires_grad == b.requires_grad
+    assert seen[True][6] == 0, "a native miss entered the cache's Python closure"
+    assert seen[False][6] > 0
+
+
+def test_the_step_flag_is_read_natively_from_the_update_loop(half_dtype: torch.dtype) -> None:
+    """Inside an optimizer step the casts are off; the ops of the optimizer's update loop are
+    answered by the native test of the step's cached frame, not by `StepScope.__bool__`
+    (once per frame that starts reading, not once per op)."""
+    from ampx.o1 import regions
+
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    amp = ampx.Amp("O1", dtype=half_dtype, verbosity=0)
+    model, opt = amp.initialize(model, opt)
+    assert patch.active().native  # type: ignore[union-attr]
+    seen: list[torch.dtype] = []
+
+    def probe(optimizer: Any, args: Any, kwargs: Any) -> None:
+        seen.append(F.linear(torch.rand(2, 8), torch.rand(8, 8)).dtype)
+
+    opt.register_step_pre_hook(probe)  # after ampx's: casts are off
+    try:
+        for _ in range(2):
+            opt.zero_grad()
+            with amp.scale_loss(model(torch.rand(4, 8)).float().sum(), opt) as scaled:
+                scaled.backward()
+            stop = _frames_named("__bool__")
+            opt.step()
+            reads = stop()
+            before = [p.detach().clone() for p in model.parameters()]
+            assert seen[-1] == torch.float32
+            # 8 parameters x ~7 patched ops each; a few reads walk (each new reading frame)
+            assert reads <= 4, f"StepScope.__bool__ ran {reads} times in one step"
+        assert F.linear(torch.rand(2, 8), torch.rand(8, 8)).dtype == half_dtype
+        assert not isinstance(regions._CASTS_DISABLED.get(), regions.StepScope)
+        assert all(torch.isfinite(p).all() for p in before)
+    finally:
+        amp.restore()

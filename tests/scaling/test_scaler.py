@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ampx
+from ampx import _ext
 from ampx.scaling import scaler as scaler_mod
 from ampx.scaling.scaler import STATE_VERSION, LossScaler
 
@@ -315,3 +316,50 @@ def test_training_recovers_after_an_overflow_storm(level):
     assert session is not None and session.loss_scale() == 1.0
     step(False)
     assert session.loss_scale() == 2.0  # growing back after growth_interval clean steps
+
+
+_SCALER_TENSORS = ("_scale", "_growth_tracker", "_hysteresis_tracker",
+                   "_overflows_since_report", "_scale_before_overflow")
+
+
+@pytest.mark.skipif(_ext._native_module() is None, reason="the fused update is native")
+def test_a_replaced_state_is_written_again_only_when_nothing_else_holds_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native update writes the state after next into the set the last commit replaced
+    (no allocation per pass), with the values of fresh tensors; a set something else still
+    holds (a kept `scale`, a graph that saved the scaled loss's factor) is left alone."""
+    s = LossScaler("dynamic", init_scale=4.0, growth_interval=2)
+    ref = LossScaler("dynamic", init_scale=4.0, growth_interval=2)
+    seen = []
+    for c in "..x...x..":
+        found = INF if c == "x" else CLEAN
+        s.update_(found)
+        with monkeypatch.context() as m:
+            m.setattr(_ext, "next_scale_state", lambda *args: None)  # torch's ops, fresh
+            ref.update_(found)
+        for name in _SCALER_TENSORS:
+            assert torch.equal(getattr(s, name), getattr(ref, name)), name
+        assert torch.equal(s.inv_scale(), torch.reciprocal(s.scale))
+        assert float(s.scale_loss_value(torch.tensor(1.0))) == s.loss_scale()
+        seen.append(id(s.scale))
+    assert len(set(seen[2:])) == 2  # from the third update on, two sets take turns
+
+    # a state made but not committed yet (another thread's pass between its update and its
+    # commit) holds the spare: the next update makes fresh tensors
+    first = _ext.next_scale_state(s.tensors(), CLEAN, s.rule, s._spare)
+    values = [t.clone() for t in first]
+    second = _ext.next_scale_state(s.tensors(), INF, s.rule, s._spare)
+    assert all(a is not b for a, b in zip(first, second))
+    assert all(torch.equal(a, b) for a, b in zip(first, values))
+    del first, second
+
+    held = s.scale
+    value = held.item()
+    loss = torch.tensor(3.0, requires_grad=True)
+    scaled = s.scale_loss_value(loss)  # the graph saves the 0-d view of this scale
+    for _ in range(6):  # growth every 2 clean updates: the scale moves on
+        s.update_(CLEAN)
+    assert s.loss_scale() == value * 8
+    assert held.item() == value  # never written again
+    scaled.backward()  # the saved factor is intact (a write would fail the version check)
+    assert loss.grad is not None and loss.grad.item() == value
