@@ -372,6 +372,10 @@ def copy_(src: Tensors, dst: Tensors) -> None:
 
     Any devices and layouts (section comment); arguments and errors: the reference's.
     """
+    if type(src) is list and type(dst) is list and src and len(src) == len(dst):
+        plain = getattr(_impl(src[0].device), "copy_plain", None)
+        if plain is not None and plain(src, dst):  # the usual lists (O2's step copy): one call
+            return
     if not src or len(src) != len(dst):
         device = src[0].device if src else torch.device("cpu")
         _impl(device).copy_(list(src), list(dst))
@@ -470,6 +474,17 @@ def assign(triples: tuple[Any, ...]) -> None:
         for obj, name, old in reversed(done):
             setattr(obj, name, old)
         raise
+
+
+def drop_grads(params: list[torch.Tensor]) -> None:
+    """`p.grad = None` for every parameter of `params` (natively one call: no interrupt
+    lands half-way)."""
+    native = _state.native if _state.loaded else _ensure_loaded().native
+    if native is None:
+        for p in params:
+            p.grad = None
+        return
+    native.drop_grads(params)
 
 
 def with_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -470,6 +470,63 @@ void assign(const py::tuple& triples) {
   }
 }
 
+// `copy_` for the usual lists (the O2 master -> model copy of every step): every pair dense,
+// contiguous, of a kernel dtype, equal in size, all on one device, plain tensors or
+// Parameters (no DTensor or other Python-dispatched tensor: those need `_ext.copy_`'s local
+// shards). Copies and returns true, or returns false having touched nothing, and the caller
+// takes `_ext.copy_`'s general path (per-pair staging in Python).
+bool copy_plain(const py::list& src, const py::list& dst) {
+  const Py_ssize_t n = PyList_GET_SIZE(src.ptr());
+  if (n == 0 || PyList_GET_SIZE(dst.ptr()) != n) return false;
+  TensorList s, d;
+  s.reserve(static_cast<size_t>(n));
+  d.reserve(static_cast<size_t>(n));
+  std::optional<at::Device> device;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    for (PyObject* obj : {PyList_GET_ITEM(src.ptr(), i), PyList_GET_ITEM(dst.ptr(), i)}) {
+      const at::Tensor* t = tensor_of(obj);
+      if (t == nullptr || !t->defined() || t->layout() != at::kStrided ||
+          !kernel_dtype(t->scalar_type()) || !t->is_contiguous() ||
+          t->unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python))
+        return false;
+      if (!device) device = t->device();
+      if (t->device() != *device) return false;
+    }
+    s.push_back(THPVariable_Unpack(PyList_GET_ITEM(src.ptr(), i)));
+    d.push_back(THPVariable_Unpack(PyList_GET_ITEM(dst.ptr(), i)));
+    if (s.back().numel() != d.back().numel()) return false;
+  }
+  if (device->is_cpu()) {
+    py::gil_scoped_release nogil;
+    copy_cpu(s, d);
+    return true;
+  }
+#ifdef AMPX_WITH_CUDA
+  if (device->is_cuda()) {
+    py::gil_scoped_release nogil;
+    copy_cuda(s, d);
+    return true;
+  }
+#endif
+  return false;
+}
+
+// `p.grad = None` for every parameter of `params`, in one call under the GIL (the O2 step
+// consumes its masters' gradients); anything but a plain tensor or Parameter goes through
+// its `grad` setter.
+void drop_grads(const py::list& params) {
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* p = PyList_GET_ITEM(params.ptr(), i);
+    const at::Tensor* t = tensor_of(p);
+    if (t != nullptr && !t->unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python)) {
+      const_cast<at::Tensor*>(t)->mutable_grad().reset();
+    } else if (PyObject_SetAttrString(p, "grad", Py_None) < 0) {
+      throw py::error_already_set();
+    }
+  }
+}
+
 // The parameters of `params` that have a gradient (one call instead of a Python loop).
 py::list with_grads(const py::list& params) {
   py::list out;
@@ -497,6 +554,10 @@ void init_grad_pass(py::module& m) {
         "The clean unscale pass in one call, or None (see grad_pass.cpp).");
   m.def("assign", &assign, arg("triples"),
         "setattr for each (object, name, value) of a flat tuple: all or none.");
+  m.def("copy_plain", &copy_plain, arg("src"), arg("dst"),
+        "copy_ of plain contiguous lists on one device in one call; False: not such lists.");
+  m.def("drop_grads", &drop_grads, arg("params"),
+        "Set every parameter's .grad to None (one call).");
   m.def("with_grads", &with_grads, arg("params"),
         "The parameters of a list that have a gradient.");
   m.def("next_scale_state", &next_scale_state, arg("state"), arg("found_inf"), arg("rule"),

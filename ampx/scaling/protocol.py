@@ -494,9 +494,8 @@ class OptimizerAmpState:
         """The step's bookkeeping, all or nothing (one `ampx._ext.assign`): an interrupt
         before it leaves the step pending (`_decision` set), and the next entry completes it
         again (`_heal`)."""
-        if cache.masters:
-            for master in _ext.with_grads(cache.masters):  # as apex: the step consumes them
-                master.grad = None
+        if cache.masters:  # as apex: the step consumes them
+            _ext.drop_grads(cache.masters)
         out: list[Any] = [self, "steps", self.steps + 1]
         if decision.flag is not None:
             skip = decision.flag.reshape(()) > 0

@@ -338,6 +338,45 @@ def test_copy(impl: Any, case: str, src_dtype: torch.dtype, dst_dtype: torch.dty
         assert_lists_same(dst, ref)
 
 
+@pytest.mark.skipif(_ext._native_module() is None, reason="copy_plain is native")
+def test_copy_plain_takes_the_usual_lists_and_leaves_anything_else_untouched() -> None:
+    """`_C.copy_plain` (what `_ext.copy_` tries first) copies plain contiguous lists on one
+    device in one call, with `copy_`'s values; any other pair makes it return False before
+    it writes anything, and `_ext.copy_`'s general path copies those."""
+    native = _ext._native_module()
+    src = make("several", F32, scale=1e5) + [torch.randn(3, 4).to(BF16)]
+    dst = [torch.zeros(t.shape, dtype=d) for t, d in zip(src, [F16, BF16] * len(src))]
+    ref = [t.clone() for t in dst]
+    _reference.copy_(src, ref)
+    assert native.copy_plain(src, dst) is True
+    assert_lists_same(dst, ref)
+
+    base = torch.zeros(4, 6)
+    odd = {
+        "non-contiguous destination": (torch.randn(4, 3), base[:, ::2]),
+        "float64": (torch.randn(5, dtype=torch.float64), torch.zeros(5)),
+        "sizes differ": (torch.randn(5), torch.zeros(6)),
+        "another device": (torch.randn(5), torch.zeros(5, device="meta")),
+    }
+    for name, (s, d) in odd.items():
+        sentinel = torch.full((7,), 3.0)
+        before = base.clone()
+        assert native.copy_plain([torch.ones(7), s], [sentinel, d]) is False, name
+        assert torch.equal(sentinel, torch.full((7,), 3.0)), name  # nothing written
+        assert torch.equal(base, before), name
+    s, d = torch.randn(4, 3), base[:, ::2]
+    _ext.copy_([s], [d])  # the general path stages the strided destination
+    assert torch.equal(d, s)
+
+
+def test_drop_grads_sets_every_gradient_to_none() -> None:
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(4)]
+    for p in params[:3]:
+        p.grad = torch.ones(3)
+    _ext.drop_grads(params)
+    assert all(p.grad is None for p in params)
+
+
 # ---------------------------------------------------------------------------
 # l2norm
 # ---------------------------------------------------------------------------
