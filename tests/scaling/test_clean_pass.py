@@ -114,3 +114,54 @@ def test_anything_but_a_clean_pass_is_left_to_the_general_path(case: str) -> Non
         assert (p.grad is None) == (old is None)
         if old is not None and not p.grad.is_sparse:
             assert torch.equal(p.grad, old)
+
+
+def _ampx_calls_per_step(level: str, dtype: torch.dtype, layers: int) -> int:
+    """Calls of ampx's Python functions in one clean training step (after two warm-up steps):
+    zero_grad, forward, scale_loss with its backward, step."""
+    import sys
+    from pathlib import Path
+
+    import ampx
+
+    root = str(Path(ampx.__file__).parent)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    amp = ampx.Amp(level, dtype=dtype, verbosity=0)
+    model, opt = amp.initialize(model, opt)
+    x = torch.randn(4, 8)
+    calls = [0]
+
+    def count(frame: object, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(root):  # type: ignore[attr-defined]
+            calls[0] += 1
+
+    try:
+        for i in range(3):
+            if i == 2:
+                sys.setprofile(count)
+            try:
+                opt.zero_grad()
+                loss = model(x.to(dtype) if level == "O2" else x).float().pow(2).mean()
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+                opt.step()
+            finally:
+                sys.setprofile(None)
+        assert not ampx.step_was_skipped(opt)
+    finally:
+        amp.restore()
+    return calls[0]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_a_clean_step_runs_no_python_per_parameter(level: str, dtype: torch.dtype) -> None:
+    """The clean step's Python in ampx is the same for 4 layers as for 16: checks, the unscale,
+    the scaler's update, O2's copy and the release of the masters' gradients are native calls
+    over all parameters (the O1 cast-cache misses and the step flag's reads too)."""
+    small = _ampx_calls_per_step(level, dtype, 4)
+    large = _ampx_calls_per_step(level, dtype, 16)
+    assert small == large, f"{small} calls of ampx's Python with 4 layers, {large} with 16"
+    assert 0 < small < 120
