@@ -242,24 +242,25 @@ PyObject* id_key(PyObject* o) {  // borrowed
   return slot.key;
 }
 
+// 1 when the half cast lowers `t` (float32 or the other half dtype, on a session device),
+// 0 when it passes `t` through, -1 on an error (the half cast's `accepts`).
+int lowers(CastWrapper* self, const at::Tensor& t) {
+  const at::ScalarType st = t.scalar_type();
+  if (st != at::ScalarType::Float && st != self->other_half) {
+    return 0;
+  }
+  return eligible(self, t);
+}
+
 // A miss of WeightCastCache.bind's closure, as that closure makes it: a tensor its `accepts`
 // refuses (not float32 or the other half dtype, or not on a session device) comes back as it
 // is; else the cast, the miss counter, and the entry (unless a `.data` alias of the tensor
 // lives: `WeightCastCache.note_data_access`). Natively because every weight misses once per
 // iteration (the cache is cleared at `scale_loss`): in Python that was O1's forward excess.
 PyObject* cache_miss(CastWrapper* self, PyObject* o, const at::Tensor& t) {
-  const at::ScalarType st = t.scalar_type();
-  if (st != at::ScalarType::Float && st != self->other_half) {
-    Py_INCREF(o);
-    return o;
-  }
-  const int e = eligible(self, t);
-  if (e <= 0) {
-    if (e < 0) {
-      return nullptr;
-    }
-    Py_INCREF(o);
-    return o;
+  const int lower = lowers(self, t);
+  if (lower <= 0) {
+    return lower < 0 ? nullptr : (Py_INCREF(o), o);
   }
   PyObject* cast = to_dtype(t, self->half);
   if (cast == nullptr) {
@@ -342,18 +343,9 @@ PyObject* cast_tensor(CastWrapper* self, PyObject* o, const Cast& cast) {
     if (param && !cache_off()) {
       return cached_cast(self, o, t);
     }
-    const at::ScalarType st = t.scalar_type();
-    if (st != at::ScalarType::Float && st != self->other_half) {
-      Py_INCREF(o);
-      return o;
-    }
-    const int e = eligible(self, t);
-    if (e <= 0) {
-      if (e < 0) {
-        return nullptr;
-      }
-      Py_INCREF(o);
-      return o;
+    const int lower = lowers(self, t);
+    if (lower <= 0) {
+      return lower < 0 ? nullptr : (Py_INCREF(o), o);
     }
     if ((param || (t.requires_grad() && t.is_leaf())) && !cache_off()) {
       return cached_cast(self, o, t);

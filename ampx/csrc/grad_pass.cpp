@@ -149,13 +149,15 @@ bool scalar_of(const at::Tensor& t, at::ScalarType dtype, const at::Device& devi
 
 using State = std::array<at::Tensor, 5>;
 
-// LossScaler.next_state: five fresh tensors, or nothing when the inputs are not the plain
-// scalars the fused rule needs (the caller's general path raises the checked errors).
+// LossScaler.next_state: five tensors (fresh, or `into`'s on CPU), or nothing when the
+// inputs are not the plain scalars the fused rule needs (the caller's general path raises
+// the checked errors).
 std::optional<State> next_state(const at::Tensor& scale, const at::Tensor& growth_tracker,
                                 const at::Tensor& hysteresis_tracker,
                                 const at::Tensor& overflows_since_report,
                                 const at::Tensor& scale_before_overflow,
-                                const at::Tensor& found_inf, const ScaleParams& p) {
+                                const at::Tensor& found_inf, const ScaleParams& p,
+                                const State* into = nullptr) {
   const at::Device d = scale.device();
   const auto f32 = at::ScalarType::Float;
   const auto i32 = at::ScalarType::Int;
@@ -166,35 +168,35 @@ std::optional<State> next_state(const at::Tensor& scale, const at::Tensor& growt
 #ifndef AMPX_WITH_CUDA
   if (!d.is_cpu()) return std::nullopt;
 #endif
-  at::Tensor s, g, h, since, before;
   if (d.is_cpu()) {  // five scalars: no kernel launch is worth its dispatch here
-    s = at::empty_like(scale);
-    g = at::empty_like(growth_tracker);
-    h = at::empty_like(hysteresis_tracker);
-    since = at::empty_like(overflows_since_report);
-    before = at::empty_like(scale_before_overflow);
+    const State out =
+        into != nullptr ? *into
+                        : State{at::empty_like(scale), at::empty_like(growth_tracker),
+                                at::empty_like(hysteresis_tracker),
+                                at::empty_like(overflows_since_report),
+                                at::empty_like(scale_before_overflow)};
     const float old_since = overflows_since_report.data_ptr<float>()[0];
     const float found = found_inf.data_ptr<float>()[0];
-    *s.data_ptr<float>() = *scale.data_ptr<float>();
-    *g.data_ptr<int32_t>() = *growth_tracker.data_ptr<int32_t>();
-    *h.data_ptr<int32_t>() = *hysteresis_tracker.data_ptr<int32_t>();
+    *out[0].data_ptr<float>() = *scale.data_ptr<float>();
+    *out[1].data_ptr<int32_t>() = *growth_tracker.data_ptr<int32_t>();
+    *out[2].data_ptr<int32_t>() = *hysteresis_tracker.data_ptr<int32_t>();
     // torch.where(since > 0, before, scale) and torch.maximum(since, found) (NaN wins)
-    *before.data_ptr<float>() =
+    *out[4].data_ptr<float>() =
         old_since > 0.f ? *scale_before_overflow.data_ptr<float>() : *scale.data_ptr<float>();
-    *since.data_ptr<float>() = (std::isnan(old_since) || std::isnan(found))
-                                   ? std::numeric_limits<float>::quiet_NaN()
-                                   : std::max(old_since, found);
-    update_scale_cpu(s, g, h, found_inf, p);
-  } else {
-    s = scale.clone();
-    g = growth_tracker.clone();
-    h = hysteresis_tracker.clone();
-    before = at::where(overflows_since_report > 0, scale_before_overflow, scale);
-    since = at::maximum(overflows_since_report, found_inf);
-#ifdef AMPX_WITH_CUDA
-    update_scale_cuda(s, g, h, found_inf, p);
-#endif
+    *out[3].data_ptr<float>() = (std::isnan(old_since) || std::isnan(found))
+                                    ? std::numeric_limits<float>::quiet_NaN()
+                                    : std::max(old_since, found);
+    update_scale_cpu(out[0], out[1], out[2], found_inf, p);
+    return out;
   }
+  at::Tensor s = scale.clone();
+  at::Tensor g = growth_tracker.clone();
+  at::Tensor h = hysteresis_tracker.clone();
+  at::Tensor before = at::where(overflows_since_report > 0, scale_before_overflow, scale);
+  at::Tensor since = at::maximum(overflows_since_report, found_inf);
+#ifdef AMPX_WITH_CUDA
+  update_scale_cuda(s, g, h, found_inf, p);
+#endif
   return State{s, g, h, since, before};
 }
 
@@ -284,24 +286,10 @@ py::object next_scale_state(const py::tuple& state, const at::Tensor& found_inf,
   auto set = found_inf.is_cpu() && scale.is_cpu() ? spare_set(spare) : std::nullopt;
   if (set) {
     auto& t = *set;
-    const at::Device d = scale.device();
-    const auto f32 = at::ScalarType::Float;
-    const auto i32 = at::ScalarType::Int;
-    if (!scalar_of(scale, f32, d) || !scalar_of(*cur[1], i32, d) ||
-        !scalar_of(*cur[2], i32, d) || !scalar_of(*cur[3], f32, d) ||
-        !scalar_of(*cur[4], f32, d) || !scalar_of(found_inf, f32, d))
+    const State five{t[0], t[1], t[2], t[3], t[4]};
+    if (!next_state(scale, *cur[1], *cur[2], *cur[3], *cur[4], found_inf, p, &five)) {
       return py::none();
-    // next_state's CPU branch, into the spare tensors
-    const float old_since = cur[3]->data_ptr<float>()[0];
-    const float found = found_inf.data_ptr<float>()[0];
-    *t[0].data_ptr<float>() = *scale.data_ptr<float>();
-    *t[1].data_ptr<int32_t>() = *cur[1]->data_ptr<int32_t>();
-    *t[2].data_ptr<int32_t>() = *cur[2]->data_ptr<int32_t>();
-    *t[4].data_ptr<float>() = old_since > 0.f ? *cur[4]->data_ptr<float>() : *scale.data_ptr<float>();
-    *t[3].data_ptr<float>() = (std::isnan(old_since) || std::isnan(found))
-                                  ? std::numeric_limits<float>::quiet_NaN()
-                                  : std::max(old_since, found);
-    update_scale_cpu(t[0], t[1], t[2], found_inf, p);
+    }
     *t[5].data_ptr<float>() = 1.0f / *t[0].data_ptr<float>();
     // written through raw pointers: the version counters must still move (the scaler's
     // caches test identity and version; the view shares the scale's counter)

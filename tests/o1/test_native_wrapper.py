@@ -50,12 +50,12 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _closure_frames() -> Callable[[], int]:
-    """Start counting entries into the Python closures (`ampx_cast`); returns the reader."""
+def _frames_named(name: str) -> Callable[[], int]:
+    """Start counting calls of Python functions called `name`; returns the reader."""
     count = [0]
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_name == "ampx_cast":
+        if event == "call" and frame.f_code.co_name == name:
             count[0] += 1
 
     sys.setprofile(profile)
@@ -65,6 +65,11 @@ def _closure_frames() -> Callable[[], int]:
         return count[0]
 
     return stop
+
+
+def _closure_frames() -> Callable[[], int]:
+    """Start counting entries into the Python closures (`ampx_cast`); returns the reader."""
+    return _frames_named("ampx_cast")
 
 
 class Outcome(NamedTuple):
@@ -380,23 +385,6 @@ def test_verbose_sessions_keep_the_closures() -> None:
     patch.activate(patch.CastConfig(dtype=torch.float16, device_types=_CPU, verbose=True))
     assert patch.active().native is False  # type: ignore[union-attr]
     assert isinstance(vars(F)["linear"], types.FunctionType)
-
-
-def _frames_named(name: str) -> Callable[[], int]:
-    """Start counting calls of Python functions called `name`; returns the reader."""
-    count = [0]
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_name == name:
-            count[0] += 1
-
-    sys.setprofile(profile)
-
-    def stop() -> int:
-        sys.setprofile(None)
-        return count[0]
-
-    return stop
 
 
 def test_weight_cache_misses_are_made_natively_as_the_closure_makes_them(
