@@ -28,7 +28,10 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["copy_", "l2norm", "unscale_", "unscale_into_", "update_scale_"]
+from ._reference_compensated import compensated_adam_, compensated_sgd_
+
+__all__ = ["compensated_adam_", "compensated_sgd_", "copy_", "l2norm", "unscale_",
+           "unscale_into_", "update_scale_"]
 
 Tensors = Sequence[torch.Tensor]
 
