@@ -217,10 +217,11 @@ class OptimizerAmpState:
         before changing any parameter stays pending (`step()` again retries it).
         """
         decision = self._decision
-        if decision is None or not decision.updated():
-            return
+        if decision is None or not decision.updated() or decision.running():
+            return  # (still running: a zero_grad or scale_loss from inside the step)
         cache = self.cache(optimizer)
-        error = copy_masters(cache) if cache.pairs and not decision.skip else None
+        error = copy_masters(cache) if cache.pairs and (not decision.skip or decision.resync) \
+            else None
         self._commit_step(cache, decision)
         self.policy.on_step(optimizer, self)  # the step's end, late (telemetry, detector)
         if error is not None:
@@ -413,8 +414,11 @@ class OptimizerAmpState:
                 return
         if self.stage is Stage.SCALING and not self.heal_abandoned(optimizer):
             return
-        if self._decision is not None:
+        decision = self._decision
+        if decision is not None:
             self._heal(optimizer)
+            # from inside a running step (SAM's zero_grad, a closure's): the step keeps it
+            decision = self._decision if decision.running() else None
         cache = self.cache(optimizer)
         journal = Journal()
         try:
@@ -422,7 +426,7 @@ class OptimizerAmpState:
                 journal.set(model_param, "grad", None)
             for name, value in (("stash", {}), ("dropped", {}), ("found_inf", None),
                                 ("loss_ids", frozenset()), ("overflow_flags", ()),
-                                ("_decision", None),
+                                ("_decision", decision),
                                 ("stage", Stage.READY)):
                 journal.set(self, name, value)
         except BaseException:
@@ -433,7 +437,8 @@ class OptimizerAmpState:
     def decide_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> StepDecision:
         """Before the optimizer's step: skip it or not (recorded; committed by `after_step`).
 
-        A closure has already run by then (`stepping` runs it first under loss scaling).
+        The step's closure has not run yet: each of the optimizer's calls of it is a pass
+        of its own, after which `ampx.scaling.closures` updates this decision.
 
         .. note:: Reads the device overflow flag with one `.item()`: the only host sync of a
            step, and only when a checked `scale_loss` ran since the last step. Fused torch
@@ -476,8 +481,8 @@ class OptimizerAmpState:
         decision = self._decision or StepDecision()
         cache = decision.cache or self.cache(optimizer)
         error: BaseException | None = None
-        if cache.pairs and not decision.skip:
-            error = copy_masters(cache)
+        if cache.pairs and (not decision.skip or decision.resync):
+            error = copy_masters(cache)  # (resync: a closure call copied perturbed masters)
         if decision.skip:
             try:
                 self.policy.on_overflow(sorted(self.loss_ids))

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..o1 import regions
+from . import closures
 from .masters import MasterMap
 from .protocol import ATTR, OptimizerAmpState, SessionHooks, Stage, amp_state_of
 
@@ -176,61 +177,31 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
     state = attrs.get(ATTR)
     if state is None:
         return None
+    running = state._decision
+    if running is not None and running.running():
+        return None  # a nested step (SAM's `super().step()` of a hooked class): part of it
     if "found_inf" in attrs or "grad_scale" in attrs:  # left over from a fused step that raised
         for name in _FUSED_ATTRS:
             attrs.pop(name, None)
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
-    ran = closure is not None and state.policy.scales and state.stage not in (
-        Stage.SCALING, Stage.SCALED)  # (decide_step refuses those stages)
-    if ran:  # the closure first, then the decision on its flag; the step gets its result
-        args, kwargs = _with_closure(args, kwargs, _Evaluated(_run_closure(optimizer, closure)))
+    if closure is not None and state.stage not in (Stage.SCALING, Stage.SCALED):
+        closures.check(optimizer, state)  # (decide_step refuses those stages)
     decision = state.decide_step(optimizer, closure)
-    result = (args, kwargs) if ran else None
+    frame = decision.frame = sys._getframe(1)  # torch's step wrapper, which runs the hooks
+    result = None
+    if closure is not None:  # the optimizer's calls run it for real (`closures`)
+        live = closures.LiveClosure(closure, optimizer, state, decision, state.policy.scales)
+        result = _with_closure(args, kwargs, live)
     if decision.skip:
+        args, kwargs = result or (args, kwargs)
         result = (_standin(optimizer), *args[1:]), kwargs
     elif decision.flag is not None:
         optimizer.grad_scale = None  # type: ignore[attr-defined]  # already unscaled
         optimizer.found_inf = decision.flag.reshape(())  # type: ignore[attr-defined]
-    # Last, so that nothing can raise after it in this hook; the frame is torch's step
-    # wrapper, which also runs the post-hook (a skipped step's stand-in runs casts-off too).
-    regions.start_step(sys._getframe(1), id(optimizer))
+    # Last, so that nothing can raise after it in this hook (a skipped step's stand-in runs
+    # casts-off too; the closure's calls cast again).
+    regions.start_step(frame, id(optimizer))
     return result
-
-
-def _run_closure(optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-    """Run `step`'s closure (forward + scaled backward) under grad mode, as `step` would.
-
-    As torch's precision plugins do for GradScaler; if it raises, nothing was decided.
-    """
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise RuntimeError(
-            "optimizer.step(closure): LBFGS evaluates its closure again inside step(), where "
-            "ampx cannot check those gradients for inf/NaN; train LBFGS at opt_level='O0' "
-            "(torch.amp's GradScaler refuses closures too).")
-    with torch.enable_grad():
-        return closure()
-
-
-class _Evaluated:
-    """The closure handed to the optimizer's own step after ampx ran the real one.
-
-    Returns the real closure's result once (what `step` returns, as without ampx). A second
-    call means the optimizer re-evaluates inside its step (a line search): those gradients
-    would escape the overflow check, so it raises instead of silently reusing the first.
-    """
-
-    def __init__(self, result: Any) -> None:
-        self.result = result
-        self.calls = 0
-
-    def __call__(self) -> Any:
-        self.calls += 1
-        if self.calls > 1:
-            raise RuntimeError(
-                "optimizer.step(closure): this optimizer calls its closure more than once per "
-                "step; under loss scaling ampx runs the closure once, before the step. Use "
-                "opt_level='O0' for optimizers that re-evaluate the loss inside step().")
-        return self.result
 
 
 def _with_closure(args: tuple, kwargs: dict, closure: Any) -> tuple[tuple, dict]:
@@ -246,6 +217,9 @@ def _step_post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict)
         state = attrs.get(ATTR)
         if state is None:
             return
+        decision = state._decision
+        if decision is not None and decision.frame is not sys._getframe(1):
+            return  # a nested step's (the pre-hook let it through): the outer one commits
         if "found_inf" in attrs or "grad_scale" in attrs:
             for name in _FUSED_ATTRS:
                 attrs.pop(name, None)
