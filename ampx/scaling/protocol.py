@@ -9,7 +9,9 @@ single owner of the protocol, with an explicit `Stage` (as `torch.amp.GradScaler
       ▲                         │  ▲ └──end (delay_unscale)──▶ SCALED ──begin──┘
       └──────── abort / zero_grad ◀──────────────────────────────┘
 
-- `begin_backward` moves existing gradients aside (the stash) so backward writes only its own;
+- `begin_backward` moves existing gradients aside (the stash) so backward writes only its own,
+  or, in `scale_loss`, folds the fp32 ones into `.grad` at this pass's scale (`folded`: DDP's
+  all-reduce then includes what accumulated under `no_sync`);
 - `abort_backward` (an exception inside `scale_loss`) puts everything back as it was;
 - `ScaledPass.end` (`ampx.scaling.scaled_pass`) unscales this pass's gradients into fresh buffers
   (`ampx.scaling.unscale`), flags inf/NaN, computes the next scaler state, then commits it all
@@ -129,6 +131,8 @@ class OptimizerAmpState:
     last_loss: torch.Tensor | None = None
     steps: int = 0
     stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # earlier gradients now in `.grad` times the pass's scale (for abort: the originals)
+    folded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     dropped: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     handles: list[Any] = field(default_factory=list)
     last_step_end: float = field(default_factory=time.perf_counter)
@@ -228,7 +232,8 @@ class OptimizerAmpState:
             raise error
 
     # -- transitions around backward ---------------------------------------------------------
-    def begin_backward(self, optimizer: torch.optim.Optimizer, opening: Any = None) -> None:
+    def begin_backward(self, optimizer: torch.optim.Optimizer, opening: Any = None,
+                       scale: torch.Tensor | None = None) -> None:
         """READY/UNSCALED/SCALED -> SCALING: move earlier gradients aside for this pass.
 
         All or nothing: the stage is set last, so an exception (or an interrupt) before it
@@ -237,7 +242,12 @@ class OptimizerAmpState:
         the optimizers that carry it.
 
         Parameters the optimizer steps have their gradient stashed (added back to this pass's
-        unscaled gradient at the end). The half model parameters behind masters have theirs
+        unscaled gradient at the end). Given the pass's `scale` (`scale_loss` gives it; apex's
+        `_prepare_amp_backward` does not), dense floating gradients of at least fp32 are folded
+        instead: `.grad` becomes the earlier gradient times the scale, backward adds onto it
+        and the pass unscales the sum, which equals the stash's result (exactly at a power-of-
+        two scale), but leaves the accumulated gradient where DDP's all-reduce finds it: a
+        micro-batch run under `no_sync` before this pass reaches the other ranks. The half model parameters behind masters have theirs
         put aside too and released at the end, as apex did: anything there was not produced
         through this optimizer's `scale_loss` (a discriminator's backward reaching the
         generator), and `zero_grad` only reaches the masters. After a `delay_unscale` pass
@@ -273,21 +283,32 @@ class OptimizerAmpState:
             else:
                 journal.set(self, "_entry", (stage, None))
                 if self.stash or self.dropped or _ext.with_grads(cache.sources):
-                    self._set_aside(journal, cache)
+                    self._set_aside(journal, cache, scale)
             journal.set(self, "_opening", opening)
             journal.set(self, "stage", Stage.SCALING)
         except BaseException:
             journal.rollback()
             raise
 
-    def _set_aside(self, journal: Journal, cache: ParamCache) -> None:
-        """The gradients of before the pass go into the stash (and `dropped`), out of `.grad`."""
+    def _set_aside(self, journal: Journal, cache: ParamCache,
+                   scale: torch.Tensor | None) -> None:
+        """The gradients of before the pass go into the stash (and `dropped`), out of `.grad`,
+        or are folded at `scale` (`begin_backward`)."""
         stash = {id(p): (p, p.grad) for p in _ext.with_grads(cache.others)}
         dropped = {id(p): (p, p.grad) for p in _ext.with_grads(cache.models)}
+        folded = {}
+        if scale is not None:
+            folded = {key: entry for key, entry in stash.items() if _foldable(entry[1])}
+            stash = {key: entry for key, entry in stash.items() if key not in folded}
         journal.set(self, "stash", stash)
         journal.set(self, "dropped", dropped)
+        journal.set(self, "folded", folded)
         for param, _ in list(stash.values()) + list(dropped.values()):
             journal.set(param, "grad", None)
+        if folded:
+            factor = scale.reshape(())  # type: ignore[union-attr]
+            for param, grad in folded.values():
+                journal.set(param, "grad", grad * factor.to(grad.device))
 
     def heal_abandoned(self, optimizer: torch.optim.Optimizer) -> bool:
         """SCALING whose block is gone (interrupted at its exit's entry): abort that pass.
@@ -329,9 +350,11 @@ class OptimizerAmpState:
                 journal.set(param, "grad", None)
             for master in self.written:  # a clean pass gave them gradients; they had none
                 journal.set(master, "grad", None)
-            for param, grad in list(self.stash.values()) + list(self.dropped.values()):
+            for param, grad in [*self.stash.values(), *self.dropped.values(),
+                                *self.folded.values()]:
                 journal.set(param, "grad", grad)
             journal.set(self, "stash", {})
+            journal.set(self, "folded", {})
             journal.set(self, "dropped", {})
             journal.set(self, "written", [])
             journal.set(self, "_entry", None)
@@ -373,6 +396,8 @@ class OptimizerAmpState:
                     out += (param, "grad", None)
         if self.stash:
             out += (self, "stash", {})
+        if self.folded:
+            out += (self, "folded", {})
         if self.dropped:
             out += (self, "dropped", {})
         if self.written:  # committed: no undo for them any more
@@ -424,7 +449,8 @@ class OptimizerAmpState:
         try:
             for model_param in _ext.with_grads(cache.models):
                 journal.set(model_param, "grad", None)
-            for name, value in (("stash", {}), ("dropped", {}), ("found_inf", None),
+            for name, value in (("stash", {}), ("dropped", {}), ("folded", {}),
+                                ("found_inf", None),
                                 ("loss_ids", frozenset()), ("overflow_flags", ()),
                                 ("_decision", decision),
                                 ("stage", Stage.READY)):
@@ -520,6 +546,13 @@ class OptimizerAmpState:
             out += (self, "overflow_flags", ())
         out += (self, "stage", Stage.READY, self, "_decision", None)  # until here: pending
         _ext.assign(tuple(out))
+
+
+def _foldable(grad: torch.Tensor) -> bool:
+    """A gradient that keeps every value when multiplied by a scale and unscaled (fp32/fp64,
+    dense, plain): a half one could overflow where the stash's would not."""
+    return (type(grad) is torch.Tensor and grad.layout is torch.strided
+            and grad.dtype in (torch.float32, torch.float64))
 
 
 def unwrap(optimizer: Any) -> Any:
