@@ -247,10 +247,11 @@ class OptimizerAmpState:
         instead: `.grad` becomes the earlier gradient times the scale, backward adds onto it
         and the pass unscales the sum, which equals the stash's result (exactly at a power-of-
         two scale), but leaves the accumulated gradient where DDP's all-reduce finds it: a
-        micro-batch run under `no_sync` before this pass reaches the other ranks. The half model parameters behind masters have theirs
-        put aside too and released at the end, as apex did: anything there was not produced
-        through this optimizer's `scale_loss` (a discriminator's backward reaching the
-        generator), and `zero_grad` only reaches the masters. After a `delay_unscale` pass
+        micro-batch run under `no_sync` before this pass reaches the other ranks. The half
+        model parameters behind masters have theirs put aside too and released at the end,
+        as apex did: anything there was not produced through this optimizer's `scale_loss` (a
+        discriminator's backward reaching the generator), and `zero_grad` only reaches the
+        masters. After a `delay_unscale` pass
         nothing moves (gradients accumulate scaled, so DDP's last all-reduce sees all of them);
         the gradients' identities and versions are recorded instead.
         """
@@ -296,17 +297,19 @@ class OptimizerAmpState:
         or are folded at `scale` (`begin_backward`)."""
         stash = {id(p): (p, p.grad) for p in _ext.with_grads(cache.others)}
         dropped = {id(p): (p, p.grad) for p in _ext.with_grads(cache.models)}
-        folded = {}
+        folded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if scale is not None:
-            folded = {key: entry for key, entry in stash.items() if _foldable(entry[1])}
-            stash = {key: entry for key, entry in stash.items() if key not in folded}
+            for key, (param, grad) in list(stash.items()):
+                if grad is not None and _foldable(grad):
+                    folded[key] = (param, grad)
+                    del stash[key]
         journal.set(self, "stash", stash)
         journal.set(self, "dropped", dropped)
         journal.set(self, "folded", folded)
         for param, _ in list(stash.values()) + list(dropped.values()):
             journal.set(param, "grad", None)
-        if folded:
-            factor = scale.reshape(())  # type: ignore[union-attr]
+        if folded and scale is not None:
+            factor = scale.reshape(())
             for param, grad in folded.values():
                 journal.set(param, "grad", grad * factor.to(grad.device))
 

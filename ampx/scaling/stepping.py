@@ -16,14 +16,19 @@ counting steps.
   see). Fused torch optimizers that take the device flag (`_step_supports_amp_scaling`)
   receive it as `optimizer.found_inf` (as `torch.amp.GradScaler` hands it) and skip inside
   their kernel, so their steps never sync with the host.
-- `step(closure)` under loss scaling: the pre-hook runs the closure first (forward and scaled
-  backward, as torch's precision plugins do for GradScaler), decides on its overflow flag, and
-  the optimizer's own step (or the stand-in's) receives a closure returning that result.
+- `step(closure)`: the optimizer's own step (or the stand-in's) receives a closure whose every
+  call runs the user's closure for real, with O1's casts as outside the step, as a checked pass
+  after which the decision is updated (`ampx.scaling.closures`): SAM-style optimizers, which
+  call it after perturbing the weights, get the gradient at the perturbed point.
+- A step reached again from inside a running one (SAM's `super().step()` when the base class's
+  `step` is hooked too) is part of it: its hooks pass it through; so do `zero_grad` and
+  `scale_loss` called inside the step (the decision's `running`).
 - The post-hook commits the step (`after_step`): the O2 master -> model copy and counters.
 - Between the two hooks O1's casts are off in the stepping thread only (`regions.start_step`:
-  the per-thread flag that `disable_casts()` sets, which every wrapper reads); other threads
-  keep casting, and nothing about O1's patches changes. A step that never reaches its
-  post-hook (it raised) turns the flag back by itself as soon as the step's frame is gone.
+  the per-thread flag that `disable_casts()` sets, which every wrapper reads), except inside
+  the step's closure calls; other threads keep casting, and nothing about O1's patches
+  changes. A step that never reaches its post-hook (it raised) turns the flag back by itself
+  as soon as the step's frame is gone.
 - `zero_grad` gets a small instance-level handler (the class's method is untouched): it runs
   the optimizer's own `zero_grad`, then `OptimizerAmpState.zero_grad` (at O2 the half model
   gradients and a pending delay_unscale accumulation are released, as apex's O2 zero_grad did).

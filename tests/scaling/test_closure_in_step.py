@@ -53,7 +53,7 @@ def train_fp32(autocast: torch.dtype | None = None, steps: int = 4) -> list[torc
     for step in range(steps):
         x = data(step)
 
-        def closure() -> torch.Tensor:
+        def closure(x: torch.Tensor = x) -> torch.Tensor:
             with torch.autocast("cpu", dtype=autocast or torch.bfloat16,
                                 enabled=autocast is not None):
                 loss = model(x).float().pow(2).mean()
@@ -74,7 +74,7 @@ def train_ampx(level: str, dtype: torch.dtype, steps: int = 4, **amp: Any
     for step in range(steps):
         x = data(step)
 
-        def closure() -> torch.Tensor:
+        def closure(x: torch.Tensor = x) -> torch.Tensor:
             loss = model(x).float().pow(2).mean()
             with ampx.scale_loss(loss, opt) as scaled:
                 scaled.backward()
