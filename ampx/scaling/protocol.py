@@ -310,8 +310,16 @@ class OptimizerAmpState:
             journal.set(param, "grad", None)
         if folded and scale is not None:
             factor = scale.reshape(())
+            found = self.found_inf
+            if found is not None:
+                # after an overflow (the step skips anyway) the earlier gradients fold as 0:
+                # this pass checks its own gradients only, as apex's stash did
+                factor = factor * (found.reshape(()).to(factor.device) == 0)
             for param, grad in folded.values():
-                journal.set(param, "grad", grad * factor.to(grad.device))
+                value = grad * factor.to(grad.device)
+                if found is not None:
+                    value.nan_to_num_(0.0, 0.0, 0.0)  # (inf * 0; finite values unchanged)
+                journal.set(param, "grad", value)
 
     def heal_abandoned(self, optimizer: torch.optim.Optimizer) -> bool:
         """SCALING whose block is gone (interrupted at its exit's entry): abort that pass.

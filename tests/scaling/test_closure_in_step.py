@@ -68,6 +68,10 @@ def train_fp32(autocast: torch.dtype | None = None, steps: int = 4) -> list[torc
 
 def train_ampx(level: str, dtype: torch.dtype, steps: int = 4, **amp: Any
                ) -> tuple[list[torch.Tensor], SAM]:
+    # a plain SGD hooks SGD's own step (torch patches each class once): SAM's `super().step()`
+    # then runs the hooks again, nested inside SAM's step
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    assert getattr(torch.optim.SGD.step, "hooked", False)
     model = fresh()
     opt = SAM(model.parameters(), lr=0.5)
     model, opt = ampx.initialize(model, opt, opt_level=level, dtype=dtype, verbosity=0, **amp)
