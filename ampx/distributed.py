@@ -8,11 +8,11 @@ process group with more than one rank is initialized, unless the session was cre
 `sync_overflow=False`.
 
 Gradient accumulation under DDP's `no_sync`: a plain `scale_loss` per micro-batch works where
-the parameters the optimizer steps are the model's (O0, O1, O3): each pass starts by folding
-the earlier, unscaled fp32 gradients back into `.grad` at its own scale, so the last pass's
+the optimizer steps the model's own fp32 or bf16 parameters (O1, O3 bf16): each pass starts by
+folding the earlier, unscaled gradients back into `.grad` at its own scale, so the last pass's
 backward all-reduces the accumulated sum. At O2 the earlier passes' gradients live in the fp32
-masters, which DDP never sees: keep them scaled in the model (`scale_loss(...,
-delay_unscale=True)` for every pass but the last, which is what
+masters, which DDP never sees (and fp16 ones are stashed): keep them scaled in the model
+(`scale_loss(..., delay_unscale=True)` for every pass but the last, which is what
 `ampx.compat.fairseq.optimizer.AmpOptimizer` does).
 
 Once ampx sees a multi-rank run it adds `RankZeroFilter` to the "ampx" logger: ranks other than

@@ -2,7 +2,8 @@
 (issue 39, item 10: timm's train.py, apex path).
 
 Two gloo ranks seeded differently (DDP broadcasts rank 0's weights) run O1 fp16 and bf16,
-with torch's SGD and apex's FusedAdam, wrapped in torch's DDP or apex's: each update is two
+with torch's SGD and apex's FusedAdam, wrapped in torch's DDP or apex's (and O3 bf16, SGD,
+torch's DDP): each update is two
 micro-batches, the first under `net.no_sync()` when the wrapper has one (timm's test), each
 with its own non-delayed `scale_loss`, then `step()`. After every update both ranks hold
 bitwise the same weights, equal to one process trained on the concatenated batches (rank 0
@@ -23,8 +24,9 @@ from _two_ranks import WORLD, finish, launch
 from torch import nn
 
 UPDATES = 3
-CASES = [(wrap, dtype, opt) for wrap in ("torch-ddp", "apex-ddp") for dtype in ("fp16", "bf16")
-         for opt in ("sgd", "fused-adam")]
+CASES = [("O1", wrap, dtype, opt) for wrap in ("torch-ddp", "apex-ddp")
+         for dtype in ("fp16", "bf16") for opt in ("sgd", "fused-adam")]
+CASES.append(("O3", "torch-ddp", "bf16", "sgd"))  # bf16 parameters: their gradients fold too
 
 
 def _name(case: tuple) -> str:
@@ -50,13 +52,14 @@ def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     return FusedAdam(model.parameters(), lr=1e-2)
 
 
-def _train(rank: int, dtype: str, opt_kind: str, wrap: str | None) -> tuple[list, bool]:
+def _train(rank: int, level: str, dtype: str, opt_kind: str, wrap: str | None
+           ) -> tuple[list, bool]:
     """Train UPDATES updates; `wrap` None: one process on both ranks' batches concatenated."""
     import ampx
     from ampx.compat.apex import parallel as apex_parallel
 
     model = _model(seed=rank)
-    amp = ampx.Amp(opt_level="O1", dtype=dtype, init_scale=2.0**8, verbosity=0,
+    amp = ampx.Amp(opt_level=level, dtype=dtype, init_scale=2.0**8, verbosity=0,
                    sync_overflow=wrap is not None)  # (the single run is rank 0's alone)
     model, opt = amp.initialize(model, _optimizer(opt_kind, model))
     net: nn.Module = model
@@ -95,14 +98,15 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
                             world_size=WORLD, timeout=timedelta(seconds=90))
     results: dict[str, Any] = {"cases": {}, "single": {}, "errors": {}}
     for case in CASES:
-        wrap, dtype, opt_kind = case
+        level, wrap, dtype, opt_kind = case
         try:
-            params, has_no_sync = _train(rank, dtype, opt_kind, wrap)
+            params, has_no_sync = _train(rank, level, dtype, opt_kind, wrap)
             results["cases"][_name(case)] = {"params": params, "no_sync": has_no_sync}
         except Exception as exc:  # noqa: BLE001 - reported by the test
             results["errors"][_name(case)] = repr(exc)
-        if rank == 0 and wrap == "torch-ddp":  # the single-process run (rank 0's weights)
-            results["single"][f"{dtype}-{opt_kind}"] = _train(0, dtype, opt_kind, None)[0]
+        key = f"{level}-{dtype}-{opt_kind}"
+        if rank == 0 and key not in results["single"]:  # the single process (rank 0's weights)
+            results["single"][key] = _train(0, level, dtype, opt_kind, None)[0]
     finish(rank, results, out_dir)
 
 
@@ -123,13 +127,14 @@ def test_no_sync_accumulation_reaches_the_all_reduce(results: list, case: tuple)
     assert name not in results[0]["errors"], results[0]["errors"][name]
     assert name not in results[1]["errors"], results[1]["errors"][name]
     rank0, rank1 = (r["cases"][name] for r in results)
-    assert rank0["no_sync"] == (case[0] == "torch-ddp")  # apex's class has none, as in apex
+    level, wrap, dtype, opt_kind = case
+    assert rank0["no_sync"] == (wrap == "torch-ddp")  # apex's class has none, as in apex
     assert rank0["params"] == rank1["params"]  # bitwise
-    single = results[0]["single"][f"{case[1]}-{case[2]}"]
+    single = results[0]["single"][f"{level}-{dtype}-{opt_kind}"]
     for got, want in zip(rank0["params"], single):
         # the same training up to the order of the gradients' sums (half-precision matmuls)
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0,
-                                   atol=1e-3 if case[1] == "fp16" else 1e-2)
+                                   atol=1e-3 if dtype == "fp16" else 1e-2)
 
 
 if __name__ == "__main__":

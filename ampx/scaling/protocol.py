@@ -10,8 +10,8 @@ single owner of the protocol, with an explicit `Stage` (as `torch.amp.GradScaler
       └──────── abort / zero_grad ◀──────────────────────────────┘
 
 - `begin_backward` moves existing gradients aside (the stash) so backward writes only its own,
-  or, in `scale_loss`, folds the fp32 ones into `.grad` at this pass's scale (`folded`: DDP's
-  all-reduce then includes what accumulated under `no_sync`);
+  or, in `scale_loss`, folds the fp32/bf16 ones into `.grad` at this pass's scale (`folded`:
+  DDP's all-reduce then includes what accumulated under `no_sync`);
 - `abort_backward` (an exception inside `scale_loss`) puts everything back as it was;
 - `ScaledPass.end` (`ampx.scaling.scaled_pass`) unscales this pass's gradients into fresh buffers
   (`ampx.scaling.unscale`), flags inf/NaN, computes the next scaler state, then commits it all
@@ -243,7 +243,7 @@ class OptimizerAmpState:
 
         Parameters the optimizer steps have their gradient stashed (added back to this pass's
         unscaled gradient at the end). Given the pass's `scale` (`scale_loss` gives it; apex's
-        `_prepare_amp_backward` does not), dense floating gradients of at least fp32 are folded
+        `_prepare_amp_backward` does not), dense fp32, fp64 and bf16 gradients are folded
         instead: `.grad` becomes the earlier gradient times the scale, backward adds onto it
         and the pass unscales the sum, which equals the stash's result (exactly at a power-of-
         two scale), but leaves the accumulated gradient where DDP's all-reduce finds it: a
@@ -297,28 +297,14 @@ class OptimizerAmpState:
         or are folded at `scale` (`begin_backward`)."""
         stash = {id(p): (p, p.grad) for p in _ext.with_grads(cache.others)}
         dropped = {id(p): (p, p.grad) for p in _ext.with_grads(cache.models)}
-        folded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        if scale is not None:
-            for key, (param, grad) in list(stash.items()):
-                if grad is not None and _foldable(grad):
-                    folded[key] = (param, grad)
-                    del stash[key]
+        folded = unscale.take_foldable(stash) if scale is not None else {}
         journal.set(self, "stash", stash)
         journal.set(self, "dropped", dropped)
         journal.set(self, "folded", folded)
         for param, _ in list(stash.values()) + list(dropped.values()):
             journal.set(param, "grad", None)
         if folded and scale is not None:
-            factor = scale.reshape(())
-            found = self.found_inf
-            if found is not None:
-                # after an overflow (the step skips anyway) the earlier gradients fold as 0:
-                # this pass checks its own gradients only, as apex's stash did
-                factor = factor * (found.reshape(()).to(factor.device) == 0)
-            for param, grad in folded.values():
-                value = grad * factor.to(grad.device)
-                if found is not None:
-                    value.nan_to_num_(0.0, 0.0, 0.0)  # (inf * 0; finite values unchanged)
+            for param, value in unscale.fold(folded, scale, self.found_inf):
                 journal.set(param, "grad", value)
 
     def heal_abandoned(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -557,13 +543,6 @@ class OptimizerAmpState:
             out += (self, "overflow_flags", ())
         out += (self, "stage", Stage.READY, self, "_decision", None)  # until here: pending
         _ext.assign(tuple(out))
-
-
-def _foldable(grad: torch.Tensor) -> bool:
-    """A gradient that keeps every value when multiplied by a scale and unscaled (fp32/fp64,
-    dense, plain): a half one could overflow where the stash's would not."""
-    return (type(grad) is torch.Tensor and grad.layout is torch.strided
-            and grad.dtype in (torch.float32, torch.float64))
 
 
 def unwrap(optimizer: Any) -> Any:
