@@ -76,7 +76,7 @@ class LiveClosure:
 
     def __call__(self) -> Any:
         decision = self.decision
-        if self.checked and not self.entry_skip:
+        if not self.entry_skip:
             cache = decision.cache
             if cache is not None and cache.pairs:  # the forward reads the half model
                 decision.resync = True

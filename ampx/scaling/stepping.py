@@ -217,17 +217,18 @@ def _with_closure(args: tuple, kwargs: dict, closure: Any) -> tuple[tuple, dict]
 
 
 def _step_post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    frame = sys._getframe(1)  # torch's step wrapper
     try:
         attrs = vars(optimizer)
         state = attrs.get(ATTR)
         if state is None:
             return
         decision = state._decision
-        if decision is not None and decision.frame is not sys._getframe(1):
+        if decision is not None and decision.frame is not frame:
             return  # a nested step's (the pre-hook let it through): the outer one commits
         if "found_inf" in attrs or "grad_scale" in attrs:
             for name in _FUSED_ATTRS:
                 attrs.pop(name, None)
         state.after_step(optimizer)
     finally:
-        regions.end_step(sys._getframe(1), id(optimizer))
+        regions.end_step(frame, id(optimizer))
