@@ -7,11 +7,13 @@ apart. ampx therefore all-reduces its overflow flag (MAX) before it is acted on 
 process group with more than one rank is initialized, unless the session was created with
 `sync_overflow=False`.
 
-Gradient accumulation under DDP's `no_sync` must leave the accumulated gradients scaled
+Gradient accumulation under DDP's `no_sync`: a plain `scale_loss` per micro-batch works where
+the optimizer steps the model's own fp32 or bf16 parameters (O1, O3 bf16): each pass starts by
+folding the earlier, unscaled gradients back into `.grad` at its own scale, so the last pass's
+backward all-reduces the accumulated sum. At O2 the earlier passes' gradients live in the fp32
+masters, which DDP never sees (and fp16 ones are stashed): keep them scaled in the model
 (`scale_loss(..., delay_unscale=True)` for every pass but the last, which is what
-`ampx.compat.fairseq.optimizer.AmpOptimizer` does): an unscale in a `no_sync` pass moves that pass's
-gradients out of `.grad` (into the masters at O2, into a stash at O1), so DDP's final
-all-reduce would not include them.
+`ampx.compat.fairseq.optimizer.AmpOptimizer` does).
 
 Once ampx sees a multi-rank run it adds `RankZeroFilter` to the "ampx" logger: ranks other than
 0 then only log errors, so a skipped step is reported once, not once per rank.

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch._guards
 
-__all__ = ["LOCAL", "StepScope", "casts_disabled", "disable_casts", "drop_ended_steps",
-           "eager_depth_when_compiling", "end_step", "in_compiled_region",
+__all__ = ["LOCAL", "StepScope", "call_outside_step", "casts_disabled", "disable_casts",
+           "drop_ended_steps", "eager_depth_when_compiling", "end_step", "in_compiled_region",
            "run_region_frames_as_python", "start_step"]
 
 # Eager code reads the ContextVar (per thread and per asyncio task). Compiled code cannot
@@ -106,6 +106,26 @@ def end_step(frame: Any, optimizer_id: int) -> None:
             _CASTS_DISABLED.set(value.previous)
             return
         value = value.previous
+
+
+def call_outside_step(fn: Any) -> Any:
+    """Call `fn()` with this thread's casts-disabled value of before its running steps.
+
+    An optimizer's closure (forward and backward) is the user's code, run from inside the
+    optimizer's `step`: its forward is cast as outside the step; only the optimizer's own
+    math runs with casts off. The value is set in the ContextVar itself, which both the
+    Python wrappers and the native one read, and put back however `fn` ends.
+    """
+    value = _CASTS_DISABLED.get()
+    if not isinstance(value, StepScope):
+        return fn()
+    while isinstance(value, StepScope):
+        value = value.previous
+    token = _CASTS_DISABLED.set(value)
+    try:
+        return fn()
+    finally:
+        _CASTS_DISABLED.reset(token)
 
 
 def drop_ended_steps() -> None:

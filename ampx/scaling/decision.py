@@ -9,6 +9,9 @@ decided on the host; `copy_masters` is the O2 master -> model copy of a complete
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import torch
 
 from .. import _ext
@@ -25,15 +28,36 @@ class StepDecision:
         flag: Fused path: the device flag handed to the optimizer.
         mark: (a stepped parameter, its version before the step): a changed version means
             the optimizer's update ran, even if the step was interrupted before the post hook.
+        frame: The frame running the step's hooks (torch's step wrapper), set by the pre-hook:
+            while it is on the stack, the step runs (`running`).
+        resync: O2: a closure call copied the masters into the model during the step, so
+            the post-hook copies them even when the step is skipped.
     """
 
-    __slots__ = ("skip", "flag", "mark", "cache")
+    __slots__ = ("skip", "flag", "mark", "cache", "frame", "resync")
 
     def __init__(self, skip: bool = False, flag: torch.Tensor | None = None,
                  mark: tuple[torch.Tensor, int] | None = None,
                  cache: ParamCache | None = None) -> None:
         self.skip, self.flag, self.mark = skip, flag, mark
         self.cache = cache  # the parameter views the step ran over (the post hook's too)
+        self.frame: Any = None
+        self.resync = False
+
+    def running(self) -> bool:
+        """Whether the step is still running on this thread (its hooks' frame is on the
+        stack): a `zero_grad` or `scale_loss` from inside it (an optimizer's closure, SAM's
+        own `zero_grad`) must not complete it, and a nested step (`super().step()` of a
+        hooked base class) is part of it."""
+        target = self.frame
+        if target is None:
+            return False
+        frame: Any = sys._getframe(1)
+        while frame is not None:
+            if frame is target:
+                return True
+            frame = frame.f_back
+        return False
 
     def updated(self) -> bool:
         """Whether the optimizer changed its parameters since the decision (no sync)."""

@@ -9,7 +9,9 @@ single owner of the protocol, with an explicit `Stage` (as `torch.amp.GradScaler
       ▲                         │  ▲ └──end (delay_unscale)──▶ SCALED ──begin──┘
       └──────── abort / zero_grad ◀──────────────────────────────┘
 
-- `begin_backward` moves existing gradients aside (the stash) so backward writes only its own;
+- `begin_backward` moves existing gradients aside (the stash) so backward writes only its own,
+  or, in `scale_loss`, folds the fp32/bf16 ones into `.grad` at this pass's scale (`folded`:
+  DDP's all-reduce then includes what accumulated under `no_sync`);
 - `abort_backward` (an exception inside `scale_loss`) puts everything back as it was;
 - `ScaledPass.end` (`ampx.scaling.scaled_pass`) unscales this pass's gradients into fresh buffers
   (`ampx.scaling.unscale`), flags inf/NaN, computes the next scaler state, then commits it all
@@ -129,6 +131,8 @@ class OptimizerAmpState:
     last_loss: torch.Tensor | None = None
     steps: int = 0
     stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # earlier gradients now in `.grad` times the pass's scale (for abort: the originals)
+    folded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     dropped: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     handles: list[Any] = field(default_factory=list)
     last_step_end: float = field(default_factory=time.perf_counter)
@@ -217,17 +221,19 @@ class OptimizerAmpState:
         before changing any parameter stays pending (`step()` again retries it).
         """
         decision = self._decision
-        if decision is None or not decision.updated():
-            return
+        if decision is None or not decision.updated() or decision.running():
+            return  # (still running: a zero_grad or scale_loss from inside the step)
         cache = self.cache(optimizer)
-        error = copy_masters(cache) if cache.pairs and not decision.skip else None
+        error = copy_masters(cache) if cache.pairs and (not decision.skip or decision.resync) \
+            else None
         self._commit_step(cache, decision)
         self.policy.on_step(optimizer, self)  # the step's end, late (telemetry, detector)
         if error is not None:
             raise error
 
     # -- transitions around backward ---------------------------------------------------------
-    def begin_backward(self, optimizer: torch.optim.Optimizer, opening: Any = None) -> None:
+    def begin_backward(self, optimizer: torch.optim.Optimizer, opening: Any = None,
+                       scale: torch.Tensor | None = None) -> None:
         """READY/UNSCALED/SCALED -> SCALING: move earlier gradients aside for this pass.
 
         All or nothing: the stage is set last, so an exception (or an interrupt) before it
@@ -236,10 +242,16 @@ class OptimizerAmpState:
         the optimizers that carry it.
 
         Parameters the optimizer steps have their gradient stashed (added back to this pass's
-        unscaled gradient at the end). The half model parameters behind masters have theirs
-        put aside too and released at the end, as apex did: anything there was not produced
-        through this optimizer's `scale_loss` (a discriminator's backward reaching the
-        generator), and `zero_grad` only reaches the masters. After a `delay_unscale` pass
+        unscaled gradient at the end). Given the pass's `scale` (`scale_loss` gives it; apex's
+        `_prepare_amp_backward` does not), dense fp32, fp64 and bf16 gradients are folded
+        instead: `.grad` becomes the earlier gradient times the scale, backward adds onto it
+        and the pass unscales the sum, which equals the stash's result (exactly at a power-of-
+        two scale), but leaves the accumulated gradient where DDP's all-reduce finds it: a
+        micro-batch run under `no_sync` before this pass reaches the other ranks. The half
+        model parameters behind masters have theirs put aside too and released at the end,
+        as apex did: anything there was not produced through this optimizer's `scale_loss` (a
+        discriminator's backward reaching the generator), and `zero_grad` only reaches the
+        masters. After a `delay_unscale` pass
         nothing moves (gradients accumulate scaled, so DDP's last all-reduce sees all of them);
         the gradients' identities and versions are recorded instead.
         """
@@ -272,21 +284,28 @@ class OptimizerAmpState:
             else:
                 journal.set(self, "_entry", (stage, None))
                 if self.stash or self.dropped or _ext.with_grads(cache.sources):
-                    self._set_aside(journal, cache)
+                    self._set_aside(journal, cache, scale)
             journal.set(self, "_opening", opening)
             journal.set(self, "stage", Stage.SCALING)
         except BaseException:
             journal.rollback()
             raise
 
-    def _set_aside(self, journal: Journal, cache: ParamCache) -> None:
-        """The gradients of before the pass go into the stash (and `dropped`), out of `.grad`."""
+    def _set_aside(self, journal: Journal, cache: ParamCache,
+                   scale: torch.Tensor | None) -> None:
+        """The gradients of before the pass go into the stash (and `dropped`), out of `.grad`,
+        or are folded at `scale` (`begin_backward`)."""
         stash = {id(p): (p, p.grad) for p in _ext.with_grads(cache.others)}
         dropped = {id(p): (p, p.grad) for p in _ext.with_grads(cache.models)}
+        folded = unscale.take_foldable(stash) if scale is not None else {}
         journal.set(self, "stash", stash)
         journal.set(self, "dropped", dropped)
+        journal.set(self, "folded", folded)
         for param, _ in list(stash.values()) + list(dropped.values()):
             journal.set(param, "grad", None)
+        if folded and scale is not None:
+            for param, value in unscale.fold(folded, scale, self.found_inf):
+                journal.set(param, "grad", value)
 
     def heal_abandoned(self, optimizer: torch.optim.Optimizer) -> bool:
         """SCALING whose block is gone (interrupted at its exit's entry): abort that pass.
@@ -328,9 +347,11 @@ class OptimizerAmpState:
                 journal.set(param, "grad", None)
             for master in self.written:  # a clean pass gave them gradients; they had none
                 journal.set(master, "grad", None)
-            for param, grad in list(self.stash.values()) + list(self.dropped.values()):
+            for param, grad in [*self.stash.values(), *self.dropped.values(),
+                                *self.folded.values()]:
                 journal.set(param, "grad", grad)
             journal.set(self, "stash", {})
+            journal.set(self, "folded", {})
             journal.set(self, "dropped", {})
             journal.set(self, "written", [])
             journal.set(self, "_entry", None)
@@ -372,6 +393,8 @@ class OptimizerAmpState:
                     out += (param, "grad", None)
         if self.stash:
             out += (self, "stash", {})
+        if self.folded:
+            out += (self, "folded", {})
         if self.dropped:
             out += (self, "dropped", {})
         if self.written:  # committed: no undo for them any more
@@ -413,16 +436,20 @@ class OptimizerAmpState:
                 return
         if self.stage is Stage.SCALING and not self.heal_abandoned(optimizer):
             return
-        if self._decision is not None:
+        decision = self._decision
+        if decision is not None:
             self._heal(optimizer)
+            # from inside a running step (SAM's zero_grad, a closure's): the step keeps it
+            decision = self._decision if decision.running() else None
         cache = self.cache(optimizer)
         journal = Journal()
         try:
             for model_param in _ext.with_grads(cache.models):
                 journal.set(model_param, "grad", None)
-            for name, value in (("stash", {}), ("dropped", {}), ("found_inf", None),
+            for name, value in (("stash", {}), ("dropped", {}), ("folded", {}),
+                                ("found_inf", None),
                                 ("loss_ids", frozenset()), ("overflow_flags", ()),
-                                ("_decision", None),
+                                ("_decision", decision),
                                 ("stage", Stage.READY)):
                 journal.set(self, name, value)
         except BaseException:
@@ -433,7 +460,8 @@ class OptimizerAmpState:
     def decide_step(self, optimizer: torch.optim.Optimizer, closure: Any) -> StepDecision:
         """Before the optimizer's step: skip it or not (recorded; committed by `after_step`).
 
-        A closure has already run by then (`stepping` runs it first under loss scaling).
+        The step's closure has not run yet: each of the optimizer's calls of it is a pass
+        of its own, after which `ampx.scaling.closures` updates this decision.
 
         .. note:: Reads the device overflow flag with one `.item()`: the only host sync of a
            step, and only when a checked `scale_loss` ran since the last step. Fused torch
@@ -476,8 +504,8 @@ class OptimizerAmpState:
         decision = self._decision or StepDecision()
         cache = decision.cache or self.cache(optimizer)
         error: BaseException | None = None
-        if cache.pairs and not decision.skip:
-            error = copy_masters(cache)
+        if cache.pairs and (not decision.skip or decision.resync):
+            error = copy_masters(cache)  # (resync: a closure call copied perturbed masters)
         if decision.skip:
             try:
                 self.policy.on_overflow(sorted(self.loss_ids))

@@ -106,8 +106,9 @@ class ScaledPass:
         """Every optimizer to SCALING, or none (a failure aborts the ones already moved)."""
         opening = None if self.frame is None else self  # (`opening`, inline: every step)
         try:  # (not `Journal.atomic`: this runs every step, and a generator costs)
+            scale = self.scaler.scale  # (earlier fp32/bf16 gradients fold at it)
             for opt, state in self.pairs:
-                state.begin_backward(opt, opening)
+                state.begin_backward(opt, opening, scale)
         except BaseException:
             self.abort()
             raise

@@ -16,14 +16,19 @@ counting steps.
   see). Fused torch optimizers that take the device flag (`_step_supports_amp_scaling`)
   receive it as `optimizer.found_inf` (as `torch.amp.GradScaler` hands it) and skip inside
   their kernel, so their steps never sync with the host.
-- `step(closure)` under loss scaling: the pre-hook runs the closure first (forward and scaled
-  backward, as torch's precision plugins do for GradScaler), decides on its overflow flag, and
-  the optimizer's own step (or the stand-in's) receives a closure returning that result.
+- `step(closure)`: the optimizer's own step (or the stand-in's) receives a closure whose every
+  call runs the user's closure for real, with O1's casts as outside the step, as a checked pass
+  after which the decision is updated (`ampx.scaling.closures`): SAM-style optimizers, which
+  call it after perturbing the weights, get the gradient at the perturbed point.
+- A step reached again from inside a running one (SAM's `super().step()` when the base class's
+  `step` is hooked too) is part of it: its hooks pass it through; so do `zero_grad` and
+  `scale_loss` called inside the step (the decision's `running`).
 - The post-hook commits the step (`after_step`): the O2 master -> model copy and counters.
 - Between the two hooks O1's casts are off in the stepping thread only (`regions.start_step`:
-  the per-thread flag that `disable_casts()` sets, which every wrapper reads); other threads
-  keep casting, and nothing about O1's patches changes. A step that never reaches its
-  post-hook (it raised) turns the flag back by itself as soon as the step's frame is gone.
+  the per-thread flag that `disable_casts()` sets, which every wrapper reads), except inside
+  the step's closure calls; other threads keep casting, and nothing about O1's patches
+  changes. A step that never reaches its post-hook (it raised) turns the flag back by itself
+  as soon as the step's frame is gone.
 - `zero_grad` gets a small instance-level handler (the class's method is untouched): it runs
   the optimizer's own `zero_grad`, then `OptimizerAmpState.zero_grad` (at O2 the half model
   gradients and a pending delay_unscale accumulation are released, as apex's O2 zero_grad did).
@@ -39,6 +44,7 @@ from typing import Any
 import torch
 
 from ..o1 import regions
+from . import closures
 from .masters import MasterMap
 from .protocol import ATTR, OptimizerAmpState, SessionHooks, Stage, amp_state_of
 
@@ -176,61 +182,31 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
     state = attrs.get(ATTR)
     if state is None:
         return None
+    running = state._decision
+    if running is not None and running.running():
+        return None  # a nested step (SAM's `super().step()` of a hooked class): part of it
     if "found_inf" in attrs or "grad_scale" in attrs:  # left over from a fused step that raised
         for name in _FUSED_ATTRS:
             attrs.pop(name, None)
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
-    ran = closure is not None and state.policy.scales and state.stage not in (
-        Stage.SCALING, Stage.SCALED)  # (decide_step refuses those stages)
-    if ran:  # the closure first, then the decision on its flag; the step gets its result
-        args, kwargs = _with_closure(args, kwargs, _Evaluated(_run_closure(optimizer, closure)))
+    if closure is not None and state.stage not in (Stage.SCALING, Stage.SCALED):
+        closures.check(optimizer, state)  # (decide_step refuses those stages)
     decision = state.decide_step(optimizer, closure)
-    result = (args, kwargs) if ran else None
+    frame = decision.frame = sys._getframe(1)  # torch's step wrapper, which runs the hooks
+    result = None
+    if closure is not None:  # the optimizer's calls run it for real (`closures`)
+        live = closures.LiveClosure(closure, optimizer, state, decision, state.policy.scales)
+        result = _with_closure(args, kwargs, live)
     if decision.skip:
+        args, kwargs = result or (args, kwargs)
         result = (_standin(optimizer), *args[1:]), kwargs
     elif decision.flag is not None:
         optimizer.grad_scale = None  # type: ignore[attr-defined]  # already unscaled
         optimizer.found_inf = decision.flag.reshape(())  # type: ignore[attr-defined]
-    # Last, so that nothing can raise after it in this hook; the frame is torch's step
-    # wrapper, which also runs the post-hook (a skipped step's stand-in runs casts-off too).
-    regions.start_step(sys._getframe(1), id(optimizer))
+    # Last, so that nothing can raise after it in this hook (a skipped step's stand-in runs
+    # casts-off too; the closure's calls cast again).
+    regions.start_step(frame, id(optimizer))
     return result
-
-
-def _run_closure(optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-    """Run `step`'s closure (forward + scaled backward) under grad mode, as `step` would.
-
-    As torch's precision plugins do for GradScaler; if it raises, nothing was decided.
-    """
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise RuntimeError(
-            "optimizer.step(closure): LBFGS evaluates its closure again inside step(), where "
-            "ampx cannot check those gradients for inf/NaN; train LBFGS at opt_level='O0' "
-            "(torch.amp's GradScaler refuses closures too).")
-    with torch.enable_grad():
-        return closure()
-
-
-class _Evaluated:
-    """The closure handed to the optimizer's own step after ampx ran the real one.
-
-    Returns the real closure's result once (what `step` returns, as without ampx). A second
-    call means the optimizer re-evaluates inside its step (a line search): those gradients
-    would escape the overflow check, so it raises instead of silently reusing the first.
-    """
-
-    def __init__(self, result: Any) -> None:
-        self.result = result
-        self.calls = 0
-
-    def __call__(self) -> Any:
-        self.calls += 1
-        if self.calls > 1:
-            raise RuntimeError(
-                "optimizer.step(closure): this optimizer calls its closure more than once per "
-                "step; under loss scaling ampx runs the closure once, before the step. Use "
-                "opt_level='O0' for optimizers that re-evaluate the loss inside step().")
-        return self.result
 
 
 def _with_closure(args: tuple, kwargs: dict, closure: Any) -> tuple[tuple, dict]:
@@ -241,14 +217,18 @@ def _with_closure(args: tuple, kwargs: dict, closure: Any) -> tuple[tuple, dict]
 
 
 def _step_post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    frame = sys._getframe(1)  # torch's step wrapper
     try:
         attrs = vars(optimizer)
         state = attrs.get(ATTR)
         if state is None:
             return
+        decision = state._decision
+        if decision is not None and decision.frame is not frame:
+            return  # a nested step's (the pre-hook let it through): the outer one commits
         if "found_inf" in attrs or "grad_scale" in attrs:
             for name in _FUSED_ATTRS:
                 attrs.pop(name, None)
         state.after_step(optimizer)
     finally:
-        regions.end_step(sys._getframe(1), id(optimizer))
+        regions.end_step(frame, id(optimizer))

@@ -32,7 +32,7 @@ import torch
 from .. import _ext
 from .masters import ParamCache
 
-__all__ = ["UnscaleWork", "plan", "run", "run_clean"]
+__all__ = ["UnscaleWork", "fold", "foldable", "plan", "run", "run_clean", "take_foldable"]
 
 
 @dataclass(eq=False)
@@ -215,3 +215,46 @@ def run_clean(cache: ParamCache, stash: dict[int, tuple[torch.Tensor, torch.Tens
         return None
     found, flags, assign, results, clear, flag_params = out
     return UnscaleWork(assign, clear, results, flag_params), flags, found
+
+
+# -- folding: earlier gradients back into `.grad` at a pass's scale ---------------------------
+
+_FOLDABLE = (torch.float32, torch.float64, torch.bfloat16)
+
+_Entries = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+def foldable(grad: torch.Tensor) -> bool:
+    """A gradient that keeps every value when multiplied by a scale and unscaled (dense,
+    plain, of fp32's exponent range: fp32, fp64, bf16): an fp16 one could overflow where the
+    stash's would not."""
+    return (type(grad) is torch.Tensor and grad.layout is torch.strided
+            and grad.dtype in _FOLDABLE)
+
+
+def take_foldable(stash: dict[int, tuple[torch.Tensor, torch.Tensor | None]]) -> _Entries:
+    """Move the foldable entries of `stash` (param id -> (param, grad)) into the result."""
+    out = {key: (param, grad) for key, (param, grad) in stash.items()
+           if grad is not None and foldable(grad)}
+    for key in out:
+        del stash[key]
+    return out
+
+
+def fold(entries: _Entries, scale: torch.Tensor, found: torch.Tensor | None
+         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(param, earlier gradient times `scale`) for each entry, in new tensors (no sync).
+
+    After an overflow (`found` set: the step skips anyway) they fold as 0, so the pass checks
+    its own gradients only, as apex's stash did.
+    """
+    factor = scale.reshape(())
+    if found is not None:
+        factor = factor * (found.reshape(()).to(factor.device) == 0)
+    out = []
+    for param, grad in entries.values():
+        value = grad * factor.to(grad.device)
+        if found is not None:
+            value.nan_to_num_(0.0, 0.0, 0.0)  # (inf * 0; finite values are unchanged)
+        out.append((param, value))
+    return out

@@ -12,7 +12,10 @@ ampx implementations of apex's data-parallel names, mapped onto torch's:
   ``retain_allreduce_buffers``, ``num_allreduce_streams``, ``allreduce_communicators`` and
   ``prof`` steered when and on which CUDA streams apex launched its all-reduces; torch's
   reducer decides that itself, so they are accepted and change nothing (the gradients are the
-  same). A process group must be initialized first, as in apex.
+  same). A process group must be initialized first, as in apex. Like apex's class it has no
+  `no_sync` (`hasattr(model, "no_sync")` is False): scripts that accumulate under `no_sync`
+  when the model offers it (timm's train.py) take their apex path, an all-reduce per
+  micro-batch, as they did with apex.
 - `SyncBatchNorm` has apex's signature (`channel_last`, `fuse_relu`, the `z` residual input).
   Like apex's, it is a `_BatchNorm`, not a `torch.nn.SyncBatchNorm`: torch's own DDP refuses
   every `torch.nn.SyncBatchNorm` off GPUs, and SwAV-style scripts wrap apex's in torch's DDP.
@@ -246,6 +249,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             state = _HookState(self.process_group, allreduce_always_fp32, gradient_average,
                                gradient_predivide_factor)
             self.register_comm_hook(state, _apex_allreduce_hook)
+
+    @property
+    def no_sync(self) -> Any:
+        """apex's class had no `no_sync`: the attribute does not exist (module docstring)."""
+        raise AttributeError(
+            "'DistributedDataParallel' object has no attribute 'no_sync' (apex's "
+            "DistributedDataParallel has none; torch.nn.parallel.DistributedDataParallel has "
+            "it)")
 
     def _passing_sync_batchnorm_handle(self, module: nn.Module) -> None:
         """torch's SyncBatchNorm refuses CPU inputs: name the converter whose layers work."""
