@@ -35,6 +35,9 @@ _MARGIN = 0.75
 """The plan fills this share of the time left for steps (estimates are rough on a busy machine)."""
 _OTHER_WORK = 0.3
 """Everything but the products (norms, softmax, optimizer), as a share of their fp32 time."""
+EVAL_SHARE = 0.25
+"""The built-in examples' held-out evaluations (about 8 per run, a few forward passes each),
+as a share of the training steps' time."""
 WRITE_S = 10.0
 """Kept back from the budget for writing the table, JSON, CSV and the figure."""
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?")
@@ -80,11 +83,12 @@ def contention() -> tuple[float, Optional[float]]:
 
 def estimate_step_s(probe: Probe, dtype: Optional[str], busy: float = 1.0) -> float:
     """One training step's seconds: forward and backward products (three times the forward's)
-    in `dtype` (None: fp32), plus the rest of the step at fp32 speed; times `busy` (the
-    probe takes the fastest of a few runs, a training run shares the machine all along)."""
+    in `dtype` (None: fp32), plus the rest of the step at fp32 speed, plus the step's share of
+    the held-out evaluations (`EVAL_SHARE`); times `busy` (the probe takes the fastest of a few
+    runs, a training run shares the machine all along)."""
     fp32 = probe.forward_s["fp32"]
     products = probe.forward_s[dtype] if dtype is not None else fp32
-    return busy * (3.0 * products + 3.0 * fp32 * _OTHER_WORK)
+    return busy * (3.0 * products + 3.0 * fp32 * _OTHER_WORK) * (1.0 + EVAL_SHARE)
 
 
 @dataclasses.dataclass

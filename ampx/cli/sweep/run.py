@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Optional
 
 from ... import telemetry
+from .accuracy import Metric, attach
 from .stats import LoadMeter, Row, summarize, withhold
 
 __all__ = ["RunInterrupted", "SweepConfig", "SweepSpec", "build_configs", "child_env",
@@ -95,6 +96,8 @@ class SweepSpec:
         numerics: Run the O1-O3 configurations with ``ampx run --numerics`` (the report goes
             next to the run's telemetry, ``runs/<slug>.numerics/``).
         env: Extra environment variables for the runs.
+        metric: What accuracy is judged by (the built-in examples: their held-out loss;
+            a script: `--metric NAME`, or None when it reports none).
     """
 
     script: Path
@@ -111,6 +114,7 @@ class SweepSpec:
     run_options: list[str] = dataclasses.field(default_factory=list)
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     numerics: bool = False
+    metric: Optional[Metric] = None
 
 
 def build_configs(levels: Sequence[str], dtypes: Sequence[str], *,
@@ -214,6 +218,7 @@ def _wait(proc: subprocess.Popen[Any], spec: SweepSpec, config: SweepConfig, tai
             on_steps(config, tail.steps, spec.steps, tail.last_step_s)
         if time.monotonic() > deadline:
             _stop(proc)
+            tail.poll()  # what it wrote since the last poll: its last step may be among it
             return "timeout"
 
 
@@ -281,7 +286,7 @@ def run_one(spec: SweepSpec, config: SweepConfig, launcher: Optional[Launcher] =
         log.write(err.read())
     err_file.unlink()
     meter.finish(row)
-    _summarize_run(row, telemetry_file)
+    _summarize_run(row, telemetry_file, spec.metric)
     if interrupted:
         raise RunInterrupted(row)
     return row
@@ -303,9 +308,10 @@ def _finish(row: Row, proc: subprocess.Popen[Any], outcome: Optional[str],
         row.error = f"exit {proc.returncode}: {_last_error_line(err.read())}"
 
 
-def _summarize_run(row: Row, telemetry_file: Path) -> None:
+def _summarize_run(row: Row, telemetry_file: Path, metric: Optional[Metric]) -> None:
     init, steps = telemetry.read_telemetry(telemetry_file)
     summarize(row, init, steps)
+    attach(row, telemetry.read_metrics(telemetry_file)[0], steps, metric or Metric())
     report = numerics_dir(telemetry_file) / "numerics.json"
     if report.is_file():  # the run's numerics report (sweep --numerics): its top modules at risk
         try:
