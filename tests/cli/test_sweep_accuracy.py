@@ -267,3 +267,17 @@ def test_the_convnet_sweep_says_what_to_install_without_sklearn(
     err = capsys.readouterr().err
     assert "scikit-learn is not installed: pip install scikit-learn" in err
     assert "--data synthetic" in err and not (tmp_path / "sweep.json").exists()
+
+
+def test_a_row_variant_is_one_line_of_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ampx.cli.sweep import run as sweep_run
+
+    monkeypatch.setitem(sweep_run.LEVEL_ROWS, "O3", (("", ()), ("kahan", ("--x-kahan",))))
+    configs = sweep.build_configs(["O0", "O3"], ["bf16"], autocast=False)
+    assert [c.label for c in configs] == ["O0", "O3 bf16", "O3 bf16 kahan"]
+    spec = sweep.SweepSpec(script=tmp_path / "t.py", script_args=[], configs=configs,
+                           out=tmp_path)
+    cmd = sweep.command_for(spec, configs[2], tmp_path / "t.jsonl")
+    assert cmd[cmd.index("--dtype") + 1:cmd.index("--dtype") + 3] == ["bf16", "--x-kahan"]
+    assert configs[2].slug == "O3-bf16-kahan" and "--x-kahan" not in sweep.command_for(
+        spec, configs[1], tmp_path / "t.jsonl")

@@ -24,7 +24,7 @@ from ... import telemetry
 from .accuracy import Metric, attach
 from .stats import LoadMeter, Row, summarize, withhold
 
-__all__ = ["RunInterrupted", "SweepConfig", "SweepSpec", "build_configs", "child_env",
+__all__ = ["LEVEL_ROWS", "RunInterrupted", "SweepConfig", "SweepSpec", "build_configs", "child_env",
            "command_for", "run_one"]
 
 _AMPX_ROOT = Path(__file__).resolve().parents[3]  # the directory that holds `ampx/`
@@ -50,10 +50,15 @@ class SweepConfig:
     Attributes:
         opt_level: "O0".."O3", or None for the plain torch.autocast row.
         dtype: "fp16" or "bf16" (None for O0, which runs in float32).
+        variant: A name for a row of the same level and dtype with other options ("" for
+            the level's own row); it ends the label.
+        options: Extra `ampx run` options of this row (e.g. an opt-level override).
     """
 
     opt_level: Optional[str]
     dtype: Optional[str]
+    variant: str = ""
+    options: tuple[str, ...] = ()
 
     @property
     def autocast(self) -> bool:
@@ -64,7 +69,8 @@ class SweepConfig:
     def label(self) -> str:
         """The row label: "O0", "O2 bf16", "autocast bf16"."""
         head = self.opt_level or "autocast"
-        return f"{head} {self.dtype}" if self.dtype else head
+        label = f"{head} {self.dtype}" if self.dtype else head
+        return f"{label} {self.variant}" if self.variant else label
 
     @property
     def slug(self) -> str:
@@ -117,9 +123,19 @@ class SweepSpec:
     metric: Optional[Metric] = None
 
 
+LEVEL_ROWS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    # opt level -> its rows per half dtype: (variant name, extra `ampx run` options), one a line
+    "O1": (("", ()),),
+    "O2": (("", ()),),
+    "O3": (("", ()),),
+}
+"""The sweep's rows per opt level, as data: a new variant of a level is one more line."""
+
+
 def build_configs(levels: Sequence[str], dtypes: Sequence[str], *,
                   autocast: bool) -> list[SweepConfig]:
-    """The configurations of a sweep: O0 once (float32), other levels once per dtype.
+    """The configurations of a sweep: O0 once (float32), other levels once per dtype and
+    `LEVEL_ROWS` variant.
 
     Args:
         levels: Opt levels, e.g. ["O0", "O1", "O2", "O3"].
@@ -138,7 +154,8 @@ def build_configs(levels: Sequence[str], dtypes: Sequence[str], *,
     for level in levels:
         if level == "O0":
             continue
-        configs.extend(SweepConfig(level, dtype) for dtype in dtypes)
+        configs.extend(SweepConfig(level, dtype, variant, options) for dtype in dtypes
+                       for variant, options in LEVEL_ROWS.get(level, (("", ()),)))
     if autocast:
         configs.extend(SweepConfig(None, dtype) for dtype in dtypes)
     return configs
@@ -151,6 +168,7 @@ def command_for(spec: SweepSpec, config: SweepConfig, telemetry_file: Path) -> l
         cmd += ["--opt-level", config.opt_level]
         if config.dtype is not None:
             cmd += ["--dtype", config.dtype]
+        cmd += list(config.options)
     if spec.steps is not None:
         cmd += ["--max-steps", str(spec.steps)]
     if spec.numerics and config.opt_level not in (None, "O0"):
