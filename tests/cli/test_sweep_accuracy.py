@@ -97,9 +97,13 @@ def test_too_few_evaluations_are_too_short_and_the_verdict_says_so() -> None:
     rows = _judged(base, short)
     assert short.accuracy_verdict == "too-short"
     said = verdict(rows)
-    assert said.startswith("verdict: use O0 (fp32) here: no half-precision level kept O0's "
-                           "held-out loss")
+    assert said.startswith("verdict: use O0 (fp32) here: the run was too short to judge the "
+                           "half-precision levels' held-out loss, so none is recommended.")
     assert "too short to judge O2 bf16" in said
+    worse = _row("O3 bf16", "O3", "bf16", [v * 1.05 for v in BASE], step_time=0.1)
+    said = verdict(_judged(base, short, worse))
+    assert said.startswith("verdict: use O0 (fp32) here: no half-precision level kept O0's "
+                           "held-out loss.")
 
 
 def test_time_to_quality_is_the_time_to_reach_o0s_final_value() -> None:
@@ -281,3 +285,17 @@ def test_a_row_variant_is_one_line_of_data(tmp_path: Path, monkeypatch: pytest.M
     assert cmd[cmd.index("--dtype") + 1:cmd.index("--dtype") + 3] == ["bf16", "--x-kahan"]
     assert configs[2].slug == "O3-bf16-kahan" and "--x-kahan" not in sweep.command_for(
         spec, configs[1], tmp_path / "t.jsonl")
+
+
+def test_the_plan_counts_a_busy_machines_start_up_and_step_overhead() -> None:
+    """At load 12 on 2 CPUs a run's start-up, evaluations and exit took ~29 s and a small
+    transformer's step ~0.4 s; a plan of 15 s and 0.03 s left the last row (autocast) without
+    time: it stopped at step 33 of 40."""
+    from ampx.cli.sweep import plan as sweep_plan
+    from ampx.cli.sweep import probe as sweep_probe
+
+    assert sweep_plan.startup_s(1.0) == sweep_plan.STARTUP_S
+    assert sweep_plan.startup_s(6.5) == pytest.approx(2 * sweep_plan.STARTUP_S)
+    tiny = sweep_probe.Probe(capability="AVX512", native={"bf16": True},
+                             forward_s={"fp32": 0.001, "bf16": 0.001})
+    assert sweep_plan.estimate_step_s(tiny, "bf16", busy=6.5) > 0.25

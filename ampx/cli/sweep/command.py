@@ -109,7 +109,7 @@ def _plan_example(spec: SweepSpec, args: argparse.Namespace, say: Say,
     busy, load = sweep_plan.contention()
     chosen, probes = sweep_plan.choose(
         ladder, dtypes, spec.budget_s, example.default_steps, args.steps,
-        lambda size: probe(size.kernels, half), sweep_plan.STARTUP_S, busy)
+        lambda size: probe(size.kernels, half), sweep_plan.startup_s(busy), busy)
     chosen.load = load
     for dtype in half:
         note = _emulation_note(probes[0], dtype, f"the example's default shapes "

@@ -118,7 +118,12 @@ def verdict(rows: Sequence[Row], probe: Optional[Probe] = None,
                 "compare." + evidence + _left_out(rows, base, keeps, heldout))
     unsure = " (timings UNRELIABLE: other load; rerun on a quiet machine)" \
         if any(r.unreliable for r in candidates) else ""
-    if best is base and not halves:
+    others = [r for r in rows if r.ok and r is not base]
+    if best is base and not halves and heldout and all(
+            r.accuracy_verdict == "too-short" for r in others):
+        text = ("verdict: use O0 (fp32) here: the run was too short to judge the "
+                f"half-precision levels' {what}, so none is recommended")
+    elif best is base and not halves:
         text = (f"verdict: use O0 (fp32) here: no half-precision level kept O0's {what}"
                 if heldout else "verdict: use O0 (fp32) here: it is the fastest")
     elif best is base:
