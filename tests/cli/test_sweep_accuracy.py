@@ -295,7 +295,7 @@ def test_the_plan_counts_a_busy_machines_start_up_and_step_overhead() -> None:
     from ampx.cli.sweep import probe as sweep_probe
 
     assert sweep_plan.startup_s(1.0) == sweep_plan.STARTUP_S
-    assert sweep_plan.startup_s(6.5) == pytest.approx(2 * sweep_plan.STARTUP_S)
+    assert sweep_plan.startup_s(6.5) == pytest.approx(2.5 * sweep_plan.STARTUP_S)
     tiny = sweep_probe.Probe(capability="AVX512", native={"bf16": True},
                              forward_s={"fp32": 0.001, "bf16": 0.001})
     assert sweep_plan.estimate_step_s(tiny, "bf16", busy=6.5) > 0.25
