@@ -2,7 +2,9 @@
 
 torch's AMP recipe sells mixed precision with three claims for ResNet-18: faster, less memory,
 same accuracy. This script measures all three on this machine for fp32, torch.autocast and
-ampx O1/O2/O3 (bf16; fp16 too where the device has native fp16: probed on CPU, always on CUDA):
+ampx O1/O2/O3 (bf16; fp16 too where the device has native fp16: on CUDA always, on a CPU
+when oneDNN has fp16 kernels *and* a timed fp16 convolution, forward and backward, runs within
+1.5x of fp32's time):
 
 - the model: a ResNet-18 written out below (BasicBlocks [2, 2, 2, 2], CIFAR-style 3x3 stem
   without max-pool; no torchvision), `--width` channels in the first stage (64 is the standard
@@ -175,12 +177,35 @@ def configs_for(device: str) -> list[str]:
     dtypes = ["bf16"]
     if device == "cuda":
         dtypes = ["fp16", "bf16"] if torch.cuda.is_bf16_supported() else ["fp16"]
-    else:
-        from ampx.cli.sweep.probe import half_native
-
-        if half_native("fp16"):
-            dtypes.append("fp16")
+    elif _fp16_native_conv():
+        dtypes.append("fp16")
     return ["fp32"] + [f"{what}-{d}" for d in dtypes for what in ("autocast", "O1", "O2", "O3")]
+
+
+def _fp16_native_conv() -> bool:
+    """Whether fp16 convolutions (forward and backward) run at least at fp32's speed here.
+
+    oneDNN's flag (`torch.backends.mkldnn._is_mkldnn_fp16_supported`, AVX512-FP16) is not
+    enough: on a Xeon with it a small convnet's O2 fp16 training step took 17x the bf16 one
+    (tests/test_convergence.py's digits model: 12.3 s against 0.72 s of CPU time).
+    """
+    import torch
+
+    from ampx.cli.sweep.probe import half_native
+
+    if not half_native("fp16"):
+        return False
+    seconds = {}
+    for dtype in (torch.float32, torch.float16):
+        conv = torch.nn.Conv2d(16, 16, 3, padding=1).to(dtype)
+        x = torch.randn(32, 16, 32, 32, dtype=dtype, requires_grad=True)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            conv(x).sum().backward()
+            best = min(best, time.perf_counter() - start)
+        seconds[dtype] = best
+    return seconds[torch.float16] <= 1.5 * seconds[torch.float32]
 
 
 def _run(config: str, argv: list[str], threads: Optional[int]) -> dict[str, Any]:
@@ -272,6 +297,9 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args)))
         return
     configs = args.configs or configs_for(args.device)
+    if not any(c.endswith("fp16") for c in configs) and args.device == "cpu":
+        print("note: no fp16 rows: fp16 convolutions are not native here (or run over 1.5x "
+              "fp32's time); --configs O2-fp16 ... runs them anyway", file=sys.stderr)
     argv = ["--device", args.device, "--width", str(args.width), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--batch", str(args.batch), "--lr", str(args.lr)]
     best: dict[str, dict[str, Any]] = {}
