@@ -59,6 +59,7 @@ if TYPE_CHECKING:  # the public names for type checkers (the same as `_EXPORTS`)
     from .scaling.protocol import master_params
     from .scaling.scaler import LossScaler
     from .session import Amp
+    from .telemetry import log_metric
 
 
 _EXPORTS: dict[str, str] = {
@@ -79,7 +80,11 @@ _EXPORTS: dict[str, str] = {
     "master_params": "scaling.protocol",
     "LossScaler": "scaling.scaler",
     "Amp": "session",
+    "log_metric": "telemetry",
 }
+
+_NO_SHELL = frozenset({"log_metric"})
+"""Public names that need no apex shell (and so no torch): `log_metric` must cost nothing."""
 
 
 def _exports() -> dict[str, str]:
@@ -106,7 +111,8 @@ def __getattr__(name: str) -> Any:
         _install_shell()
         value = importlib.import_module(f"{__name__}.{name}")
     else:
-        _install_shell()
+        if name not in _NO_SHELL:
+            _install_shell()
         value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value

@@ -24,8 +24,8 @@ except ImportError:  # Windows
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ENV_VAR", "Tail", "Telemetry", "parse_records", "peak_memory_bytes", "read_telemetry",
-           "sink"]
+__all__ = ["ENV_VAR", "Tail", "Telemetry", "log_metric", "parse_records", "peak_memory_bytes",
+           "read_metrics", "read_telemetry", "sink"]
 
 ENV_VAR = "AMPX_TELEMETRY"
 
@@ -62,6 +62,41 @@ class Telemetry:
         self.emit("step", step=self._steps, optimizer=optimizer, step_time_s=step_time_s,
                   loss=loss, loss_scale=loss_scale, skipped=skipped,
                   peak_mem_bytes=peak_memory_bytes(device), **fields)
+
+
+    def metric(self, name: str, value: float, step: int | None = None) -> None:
+        """Write one `metric` record (`step`: by default the steps recorded so far)."""
+        self.emit("metric", name=name, value=value, step=self._steps if step is None else step)
+
+
+def log_metric(name: str, value: Any, step: Optional[int] = None) -> None:
+    """Report an evaluation metric (a held-out loss, an accuracy) to `ampx sweep`.
+
+    One call after each evaluation, e.g. ``ampx.log_metric("val_acc", acc, step=step)``;
+    ``ampx sweep train.py --metric val_acc --higher-is-better`` then judges the opt levels by
+    it (table, sweep.json, CSV, figure, verdict). Outside a sweep (or `ampx run
+    --telemetry-file`) it returns at once: it reads one environment variable and imports
+    nothing.
+
+    Args:
+        name: The metric's name (what `--metric` takes).
+        value: A number (a 0-d tensor is read with `.item()`).
+        step: The optimizer step it was measured after (default: the steps recorded so far
+            in this process).
+
+    Raises:
+        TypeError: `value` is not a number.
+    """
+    if not os.environ.get(ENV_VAR):
+        return
+    if hasattr(value, "item"):
+        value = value.item()
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"ampx.log_metric: {name!r} must be a number, not "
+                        f"{type(value).__name__}; pass float(value).")
+    writer = sink()
+    if writer is not None:
+        writer.metric(str(name), float(value), None if step is None else int(step))
 
 
 def peak_memory_bytes(device: torch.device | None) -> Optional[int]:
@@ -137,6 +172,27 @@ def read_telemetry(path: Path) -> tuple[Optional[dict[str, Any]], list[dict[str,
         first = min(int(r.get("optimizer", 0) or 0) for r in steps)
         steps = [r for r in steps if int(r.get("optimizer", 0) or 0) == first]
     return init, steps
+
+
+def read_metrics(path: Path) -> tuple[dict[str, list[dict[str, Any]]], Optional[dict[str, Any]]]:
+    """The `metric` records of a telemetry file by name (each `{"step", "value", "time"}`, in
+    the order written; those before the last `init` are dropped, as in `read_telemetry`), and
+    the last `data` record (what a built-in example trained on), or None."""
+    metrics: dict[str, list[dict[str, Any]]] = {}
+    data: Optional[dict[str, Any]] = None
+    if not path.exists():
+        return metrics, data
+    for record in parse_records(path.read_text(encoding="utf-8")):
+        event = record.get("event")
+        if event == "init":
+            metrics = {}
+        elif event == "data":
+            data = {k: v for k, v in record.items() if k not in ("event", "time", "pid", "rank")}
+        elif event == "metric" and isinstance(record.get("value"), (int, float)):
+            metrics.setdefault(str(record.get("name")), []).append(
+                {"step": record.get("step"), "value": float(record["value"]),
+                 "time": record.get("time")})
+    return metrics, data
 
 
 class Tail:

@@ -158,13 +158,16 @@ after `--`. The table goes to stdout, progress to stderr; sweep.json, sweep.csv 
 
 Built-in examples: on a CPU the sweep first times the example's matmul shapes in fp32 and the
 half dtypes (and says when they are emulated), then picks a model size and step count that fit
-the time budget (--budget, default 4m) and says why.
+the time budget (--budget, default 4m) and says why. The examples train on real data (the
+stdlib's source bytes; scikit-learn's digits) and evaluate on a held-out split; the verdict
+recommends a level only when its held-out metric stays within 1% of O0's without drifting.
 
 examples:
   ampx sweep
   ampx sweep --budget 2m
   ampx sweep --example convnet --levels O0,O2 --steps 30
   ampx sweep train.py --levels O0,O1,O2 --dtypes fp16,bf16 --steps 200 -- --data ./data
+  ampx sweep train.py --metric val_acc --higher-is-better
 """
 
 _SELFTEST_EPILOG = """\
@@ -300,6 +303,17 @@ def _add_sweep(subs: Any) -> None:
                             "--numerics) and list the modules it finds at risk under the table")
     sweep.add_argument("--force-apex-alias", action="store_true",
                        help="pass --force-apex-alias to every run")
+    sweep.add_argument("--metric", metavar="NAME",
+                       help="judge accuracy by this evaluation metric, which the script reports "
+                            "with ampx.log_metric(NAME, value, step=...) (default for the "
+                            "built-in examples: heldout_loss)")
+    sweep.add_argument("--higher-is-better", action="store_true",
+                       help="the --metric is an accuracy (higher is better), not a loss")
+    sweep.add_argument("--metric-regex", metavar="REGEX",
+                       help="read the metric from the script's output instead (an unedited "
+                            "script): the group 'value' (or the first group) is the number, "
+                            "an optional group 'step' its step, e.g. "
+                            "'val acc (?P<value>[0-9.]+)'")
 
 
 def build_parser() -> argparse.ArgumentParser:

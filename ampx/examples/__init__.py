@@ -4,10 +4,14 @@ They are what `ampx sweep` runs when no script is given; each is also a plain sc
 
     ampx run -O O2 --dtype bf16 ampx/examples/transformer_lm.py --steps 20
 
-Both train on synthetic data with a fixed seed, take `--steps`, `--opt-level`, `--seed` and
+Both train on real data that needs no download (the transformer on the Python standard
+library's own source bytes, the convnet on scikit-learn's handwritten digits; `--data
+synthetic` for random data), evaluate on a held-out split every `--eval-every` steps
+(`ampx.log_metric("heldout_loss", ...)`), take `--steps`, `--opt-level`, `--seed` and
 `--autocast` (a plain torch.autocast + GradScaler loop, the sweep's `autocast` row), and run on
-CUDA when it is available, else on the CPU. What they share is in `ampx.examples.common`; this
-module (the registry) imports no torch, so `ampx --help` stays fast.
+CUDA when it is available, else on the CPU. What they share is in `ampx.examples.common`,
+their data in `ampx.examples.data`; this module (the registry) imports no torch, so `ampx
+--help` stays fast.
 """
 
 from __future__ import annotations
@@ -45,12 +49,14 @@ class Example:
 EXAMPLES: dict[str, Example] = {
     "transformer": Example(
         "transformer", "transformer_lm.py",
-        "4-layer transformer language model (d_model 512, seq 128) on a synthetic Markov chain",
+        "4-layer transformer language model (d_model 512, seq 128) on the Python standard "
+        "library's source bytes (every 10th file held out)",
         40,
     ),
     "convnet": Example(
         "convnet", "convnet.py",
-        "small convnet with batchnorm on synthetic 32x32 images (10 classes)",
+        "small ResNet-style convnet on scikit-learn's handwritten digits (a fifth held out; "
+        "needs scikit-learn)",
         60,
     ),
 }

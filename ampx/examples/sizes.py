@@ -72,7 +72,7 @@ class Size:
 
 
 def transformer_sizes(d_model: int, layers: int, seq_len: int = 128, batch: int = 8,
-                      vocab: int = 1024) -> tuple[Kernel, ...]:
+                      vocab: int = 256) -> tuple[Kernel, ...]:
     """The matmuls of `transformer_lm.py`'s forward pass (attention's own small bmm left out)."""
     tokens, d = batch * seq_len, d_model
     return (
@@ -84,13 +84,17 @@ def transformer_sizes(d_model: int, layers: int, seq_len: int = 128, batch: int 
     )
 
 
-def conv_sizes(width: int, batch: int = 64) -> tuple[Kernel, ...]:
-    """The convolutions and the classifier of `convnet.py`'s forward pass."""
+def conv_sizes(width: int, batch: int = 64, image: int = 16) -> tuple[Kernel, ...]:
+    """The 3x3 convolutions and the classifier of `convnet.py`'s forward pass (the two 1x1
+    shortcut projections, a ninth of a 3x3's work each, are left out)."""
+    half, quarter = (image + 1) // 2, (image + 3) // 4
     return (
-        Kernel("conv", batch, (3, width, 32, 1)),
-        Kernel("conv", batch, (width, 2 * width, 32, 2)),
-        Kernel("conv", batch, (2 * width, 4 * width, 16, 2)),
-        Kernel("conv", batch, (4 * width, 4 * width, 8, 1)),
+        Kernel("conv", batch, (1, width, image, 1)),  # the stem
+        Kernel("conv", batch, (width, width, image, 1), 2),  # block 1
+        Kernel("conv", batch, (width, 2 * width, image, 2)),  # block 2
+        Kernel("conv", batch, (2 * width, 2 * width, half, 1)),
+        Kernel("conv", batch, (2 * width, 4 * width, half, 2)),  # block 3
+        Kernel("conv", batch, (4 * width, 4 * width, quarter, 1)),
         Kernel("mm", batch, (4 * width, 10)),
     )
 

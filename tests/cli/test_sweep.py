@@ -257,12 +257,22 @@ def test_sweep_builtin_example_as_a_process(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     labels = [line.split()[0:2] for line in proc.stdout.splitlines()[2:5]]
     assert labels == [["O0", "ok"], ["O2", "bf16"], ["autocast", "bf16"]]
-    assert "error" not in proc.stdout and "diverged" not in proc.stdout
+    # no row failed ("error" alone would match the verdict's "standard errors")
+    assert ": error:" not in proc.stdout and "diverged" not in proc.stdout
     for name in ("sweep.json", "sweep.csv", "sweep.png"):
         assert (out / name).stat().st_size > 0
-    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    data = json.loads((out / "sweep.json").read_text())
+    rows = data["rows"]
     assert [r["steps"] for r in rows] == [3, 3, 3]
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok"]
     assert rows[1]["init"]["dtype"] == "bfloat16" and rows[2]["init"]["opt_level"] == "autocast"
+    # real text, held out by file, evaluated after every step (3 steps: too short to judge)
+    assert data["meta"]["data"]["name"] == "stdlib" and data["meta"]["data"]["synthetic"] is False
+    for row in rows:
+        assert set(row["heldout"]) == {"loss"} and [s for s, _ in row["series"]["heldout"]] == [
+            1, 2, 3]
+        assert row["accuracy_verdict"] == "too-short" and "time_to_quality_s" in row
+    assert "too short to judge O2 bf16, autocast bf16" in proc.stdout
 
 
 # -- trust: load, spread, marking --------------------------------------------------------------

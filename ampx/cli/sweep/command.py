@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 from . import plan as sweep_plan
 from . import rounds
+from .accuracy import DRIFT, MIN_EVALS, TOLERANCE, Metric
 from .probe import Probe, probe
 from .run import SweepSpec, build_configs
 from .stats import Row
@@ -53,6 +54,11 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
     budget = getattr(args, "budget", None)
     if budget is None and example is not None and args.timeout is None:
         budget = sweep_plan.DEFAULT_BUDGET_S
+    metric = None
+    if getattr(args, "metric", None) or getattr(args, "metric_regex", None):
+        metric = Metric(args.metric or "metric", bool(args.higher_is_better), args.metric_regex)
+    elif example is not None:
+        metric = Metric()  # the examples' held-out loss
     run_options = ["--quiet"]
     if args.force_apex_alias or example is not None:
         run_options.append("--force-apex-alias")  # the examples must run on ampx, not apex
@@ -66,7 +72,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         timeout_s=args.timeout if args.timeout is not None or budget else 900.0,
         repeat=args.repeat, budget_s=budget,
         example=example.name if example else None, run_options=run_options,
-        numerics=bool(getattr(args, "numerics", False)),
+        numerics=bool(getattr(args, "numerics", False)), metric=metric,
     )
 
 
@@ -103,7 +109,7 @@ def _plan_example(spec: SweepSpec, args: argparse.Namespace, say: Say,
     busy, load = sweep_plan.contention()
     chosen, probes = sweep_plan.choose(
         ladder, dtypes, spec.budget_s, example.default_steps, args.steps,
-        lambda size: probe(size.kernels, half), sweep_plan.STARTUP_S, busy)
+        lambda size: probe(size.kernels, half), sweep_plan.startup_s(busy), busy)
     chosen.load = load
     for dtype in half:
         note = _emulation_note(probes[0], dtype, f"the example's default shapes "
@@ -205,7 +211,9 @@ def _write(rows: list[Row], spec: SweepSpec, args: argparse.Namespace, interrupt
     device = "cuda" if torch.cuda.is_available() else "cpu"
     title = f"ampx sweep: {spec.script.name} ({device})" + (" - INTERRUPTED" if interrupted
                                                              else "")
-    png = sweep_plot.write_png(rows, spec.out / "sweep.png", device=device, title=title)
+    png = sweep_plot.write_png(rows, spec.out / "sweep.png", device=device, title=title,
+                               metric=spec.metric.label if spec.metric else "held-out loss",
+                               higher_is_better=bool(spec.metric and spec.metric.higher_is_better))
     if png is None:
         say("ampx sweep: matplotlib is not installed (pip install 'torch-ampx[plot]'); "
             "no sweep.png")
@@ -232,6 +240,36 @@ def _terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _missing_data(spec: SweepSpec) -> Optional[str]:
+    """Why the example cannot get its data here (scikit-learn missing), or None."""
+    from ...examples import data
+
+    if spec.example == "convnet" and "synthetic" not in spec.script_args \
+            and not data.digits_available():
+        return "ampx sweep: error: " + data.need_sklearn("the convnet example")
+    return None
+
+
+def _data(rows: list[Row]) -> Optional[dict[str, Any]]:
+    """What the runs trained on: the `data` record of the first run that wrote one."""
+    from ... import telemetry
+
+    for row in rows:
+        if row.log:
+            found = telemetry.read_metrics(Path(row.log).with_suffix(".jsonl"))[1]
+            if found:
+                return found
+    return None
+
+
+def _metric_meta(spec: SweepSpec) -> Optional[dict[str, Any]]:
+    if spec.metric is None:
+        return None
+    return {"name": spec.metric.name, "higher_is_better": spec.metric.higher_is_better,
+            "regex": spec.metric.regex, "tolerance": TOLERANCE, "drift": DRIFT,
+            "min_evals": MIN_EVALS}
+
+
 def main(args: argparse.Namespace) -> int:
     """`ampx sweep`: plan, run, print the table and verdict (stdout) and progress (stderr),
     write the files.
@@ -245,6 +283,10 @@ def main(args: argparse.Namespace) -> int:
 
     spec = spec_from_args(args)
     progress = Progress()
+    missing = _missing_data(spec)
+    if missing:
+        progress.line(missing)
+        return 2
     chosen, found = prepare(spec, args, progress.line)
     spec.out.mkdir(parents=True, exist_ok=True)
     interrupted = False
@@ -255,10 +297,11 @@ def main(args: argparse.Namespace) -> int:
         rows, interrupted = exc.rows, True
         progress.line("ampx sweep: interrupted; writing the runs that finished")
     try:
-        said = verdict(rows, found)
+        said = verdict(rows, found, spec.metric)
         print(format_table(rows))
         print(said)
         extra = {"verdict": said, "budget_s": spec.budget_s, "env": spec.env,
+                 "data": _data(rows), "metric": _metric_meta(spec),
                  "plan": None if chosen is None else {
                      "size": chosen.size.label if chosen.size else None,
                      "script_args": spec.script_args, "steps": chosen.steps,

@@ -21,20 +21,31 @@ from .probe import Probe
 
 ProbeFn = Callable[[Size], Probe]
 
-__all__ = ["DEFAULT_BUDGET_S", "STARTUP_S", "WRITE_S", "Plan", "choose", "contention",
+__all__ = ["DEFAULT_BUDGET_S", "STARTUP_S", "WRITE_S", "Plan", "choose", "contention", "startup_s",
            "estimate_step_s", "format_duration", "parse_duration", "run_limit"]
 
 DEFAULT_BUDGET_S = 240.0
 """What a built-in example's sweep plans for without --budget (the main job: a few minutes)."""
 STARTUP_S = 15.0
 """A run's start-up: interpreter, torch, ampx, the example's data, `initialize` (11-17 s
-measured on a busy 2-core VM; O1's initialize is the longest)."""
+measured on a busy 2-core VM; O1's initialize is the longest). `startup_s` scales it with the
+machine's contention, up to `_STARTUP_BUSY` times: on 2 CPUs a run's start-up, evaluations
+and exit took about 29 s at load 12 and 33-37 s at load 14 (sweeps that planned 15 s, then
+30 s, left their last row, autocast, 35 s and 24 s: it stopped before its last step)."""
+_STARTUP_BUSY = 2.5
+_STEP_OVERHEAD_S = 0.04
+"""Seconds of one training step on an idle machine that do not shrink with the model: Python,
+autograd and optimizer dispatch of a small transformer (a d_model 128 step took 0.23-0.40 s
+at load 12-13 on 2 CPUs, where its products alone estimate 0.03 s)."""
 MIN_STEPS = 10
 """Fewer steps than this say little about the loss or the step time."""
 _MARGIN = 0.75
 """The plan fills this share of the time left for steps (estimates are rough on a busy machine)."""
 _OTHER_WORK = 0.3
 """Everything but the products (norms, softmax, optimizer), as a share of their fp32 time."""
+EVAL_SHARE = 0.25
+"""The built-in examples' held-out evaluations (about 8 per run, a few forward passes each),
+as a share of the training steps' time."""
 WRITE_S = 10.0
 """Kept back from the budget for writing the table, JSON, CSV and the figure."""
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?")
@@ -80,11 +91,19 @@ def contention() -> tuple[float, Optional[float]]:
 
 def estimate_step_s(probe: Probe, dtype: Optional[str], busy: float = 1.0) -> float:
     """One training step's seconds: forward and backward products (three times the forward's)
-    in `dtype` (None: fp32), plus the rest of the step at fp32 speed; times `busy` (the
-    probe takes the fastest of a few runs, a training run shares the machine all along)."""
+    in `dtype` (None: fp32), plus the rest of the step at fp32 speed, plus the step's share of
+    the held-out evaluations (`EVAL_SHARE`), plus the fixed dispatch overhead
+    (`_STEP_OVERHEAD_S`); times `busy` (the probe takes the fastest of a few
+    runs, a training run shares the machine all along)."""
     fp32 = probe.forward_s["fp32"]
     products = probe.forward_s[dtype] if dtype is not None else fp32
-    return busy * (3.0 * products + 3.0 * fp32 * _OTHER_WORK)
+    return busy * ((3.0 * products + 3.0 * fp32 * _OTHER_WORK) * (1.0 + EVAL_SHARE)
+                   + _STEP_OVERHEAD_S)
+
+
+def startup_s(busy: float) -> float:
+    """A run's estimated start-up on a machine `busy` times slower than idle."""
+    return STARTUP_S * min(max(busy, 1.0), _STARTUP_BUSY)
 
 
 @dataclasses.dataclass

@@ -1,7 +1,9 @@
 """`ampx sweep`'s figure, sweep.png.
 
 One job: draw compared rows (`ampx.cli.sweep.stats`) so that each configuration can be told
-apart: the loss curves and their difference from O0 in distinct line styles and markers,
+apart: the held-out curves (when the runs evaluated a metric) and their relative gap to O0's
+with the tolerance, the training loss curves and their difference from O0 in distinct line
+styles and markers,
 step times, speed-up bars with their interquartile range, peak memory (labelled with what
 it measures), and the loss-scale panel only when some configuration scales its loss.
 Unreliable timings are hatched and named in the title; a sweep where nothing finished gets
@@ -85,6 +87,36 @@ def _curves(axes: dict[str, Any], rows: Sequence[Row], styles: dict[str, dict[st
             axes[name].grid(alpha=0.3)
 
 
+def _heldout(axes: dict[str, Any], rows: Sequence[Row], styles: dict[str, dict[str, Any]],
+             label: str, higher: bool) -> None:
+    from .accuracy import TOLERANCE
+
+    finished = [r for r in rows if r.ok and r.series.get("heldout")]
+    base = next((r for r in finished if r.opt_level == "O0"), None)
+    reference = {int(s): float(v) for s, v in base.series["heldout"]} if base else {}
+    for row in finished:
+        style = dict(styles[row.label], markevery=1)
+        if row.accuracy_verdict:
+            style["label"] = f"{row.label} ({row.accuracy_verdict})"
+        steps = [int(s) for s, _ in row.series["heldout"]]
+        values = [float(v) for _, v in row.series["heldout"]]
+        axes["heldout"].plot(steps, values, **style)
+        if row is base or not reference:
+            continue
+        pairs = [(s, v, reference[s]) for s, v in zip(steps, values)
+                 if s in reference and reference[s]]
+        gaps = [((b - v) if higher else (v - b)) / abs(b) * 100 for _, v, b in pairs]
+        axes["gap"].plot([s for s, _, _ in pairs], gaps, **style)
+    axes["heldout"].set(title=f"{label} (held-out evaluations)", xlabel="step", ylabel=label)
+    axes["gap"].axhline(0.0, color="black", linewidth=0.8)
+    axes["gap"].axhline(TOLERANCE * 100, color="firebrick", linewidth=1.0, linestyle="--",
+                        label=f"tolerance (+{TOLERANCE:.0%})")
+    axes["gap"].set(title=f"{label}: gap to O0 (% , + = worse)", xlabel="step", ylabel="%")
+    for name in ("heldout", "gap"):
+        axes[name].legend(fontsize="small")
+        axes[name].grid(alpha=0.3)
+
+
 def _symlog(ax: Any) -> None:
     """A symmetric log scale, so that small differences are not flattened by one big one."""
     values = [abs(v) for line in ax.get_lines() for v in line.get_ydata()
@@ -133,7 +165,8 @@ def _failed_figure(fig: Any, rows: Sequence[Row], title: str) -> None:
     fig.suptitle(title)
 
 
-def build_figure(rows: Sequence[Row], title: str = "ampx sweep", device: str = "cpu") -> Any:
+def build_figure(rows: Sequence[Row], title: str = "ampx sweep", device: str = "cpu",
+                 metric: str = "held-out loss", higher_is_better: bool = False) -> Any:
     """The figure of `write_png` (a matplotlib Figure; raises ImportError without matplotlib)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -144,13 +177,19 @@ def build_figure(rows: Sequence[Row], title: str = "ampx sweep", device: str = "
         _failed_figure(fig, rows, title)
         return fig
     scales = _scales(rows)
+    heldout = any(r.ok and r.series.get("heldout") for r in rows)
     layout: Any = ([["loss", "delta", "scale"], ["time", "speed", "mem"]] if scales
                    else [["loss", "loss", "delta", "delta", "time", "time"],
                          ["speed", "speed", "speed", "mem", "mem", "mem"]])
-    fig = Figure(figsize=(15, 8.5), layout="constrained")
+    if heldout:
+        layout = [["heldout", "gap", "loss"], ["delta", "time", "scale" if scales else "time"],
+                  ["speed", "speed", "mem"]]
+    fig = Figure(figsize=(15, 12.5 if heldout else 8.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplot_mosaic(layout)
     styles = _styles(rows)
+    if heldout:
+        _heldout(axes, rows, styles, metric, higher_is_better)
     _curves(axes, rows, styles, scales)
     _bars(axes, rows, styles, device)
     unreliable = [r.label for r in rows if r.ok and r.unreliable]
@@ -163,7 +202,8 @@ def build_figure(rows: Sequence[Row], title: str = "ampx sweep", device: str = "
 
 
 def write_png(rows: Sequence[Row], path: Path, title: str = "ampx sweep",
-              device: str = "cpu") -> Optional[Path]:
+              device: str = "cpu", metric: str = "held-out loss",
+              higher_is_better: bool = False) -> Optional[Path]:
     """Write `sweep.png` (see `build_figure`).
 
     Args:
@@ -171,12 +211,13 @@ def write_png(rows: Sequence[Row], path: Path, title: str = "ampx sweep",
         path: Destination.
         title: Figure title.
         device: "cpu" or "cuda..." (says what the peak-memory bars measure).
+        metric: The judged metric's label; `higher_is_better` its direction.
 
     Returns:
         The path, or None when matplotlib is not installed (`pip install 'torch-ampx[plot]'`).
     """
     try:
-        fig = build_figure(rows, title, device)
+        fig = build_figure(rows, title, device, metric, higher_is_better)
     except ImportError:
         return None
     fig.savefig(path, dpi=100)

@@ -22,7 +22,10 @@ from .stats import Row
 __all__ = ["Progress", "format_table", "sweep_meta", "table_rows", "write_csv", "write_json"]
 
 _COLUMNS = ("config", "status", "speed-up", "IQR", "timing", "step ms", "peak MiB",
-            "mem vs O0", "final loss", "loss vs O0", "skipped", "final scale")
+            "mem vs O0", "final loss", "loss vs O0", "skipped", "final scale", "held-out",
+            "vs O0", "trend", "accuracy", "to O0 s")
+"""The last five: the judged held-out metric's final value, its gap to O0's (positive:
+worse), that gap's fitted growth over the run, the accuracy verdict, time to O0's quality."""
 
 
 def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
@@ -61,8 +64,21 @@ def table_rows(rows: Sequence[Row]) -> list[list[str]]:
             _fmt(delta, "+.2f", "%"),
             _fmt(row.skipped, "d"),
             _fmt(row.final_scale, "g"),
+            *_heldout_cells(row),
         ])
     return out
+
+
+def _heldout_cells(row: Row) -> list[str]:
+    judged = row.series.get("heldout") if row.ok else None
+    final = float(judged[-1][1]) if judged else None
+    return [
+        _fmt(final, ".4f"),
+        _fmt(row.heldout_gap * 100 if row.heldout_gap is not None else None, "+.2f", "%"),
+        _fmt(row.gap_trend * 100 if row.gap_trend is not None else None, "+.2f", "%"),
+        row.accuracy_verdict or "-",
+        _fmt(row.time_to_quality_s, ".1f"),
+    ]
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -89,6 +105,8 @@ def format_table(rows: Sequence[Row]) -> str:
         if row.skip_culprits:
             named = ", ".join(f"{name} ({count})" for name, count in row.skip_culprits)
             lines.append(f"{row.label}: skipped steps overflowed first in {named}")
+        if row.ok and row.accuracy_note:
+            lines.append(f"{row.label}: accuracy {row.accuracy_verdict}: {row.accuracy_note}")
         if row.numerics_at_risk:
             named = ", ".join(f"{name} ({issue})" for name, issue in row.numerics_at_risk)
             lines.append(f"{row.label}: numerics at risk: {named}")
@@ -150,7 +168,8 @@ _CSV_FIELDS = ["label", "opt_level", "dtype", "status", "speedup", "speedup_low"
                "unreliable", "step_time_s", "step_time_q1", "step_time_q3", "step_time_spread",
                "other_cpus", "load_avg", "peak_mem_bytes", "mem_ratio", "final_loss",
                "loss_delta", "skipped", "final_scale", "steps", "wall_s", "returncode", "error",
-               "numerics_at_risk"]
+               "numerics_at_risk", "heldout_final", "heldout_gap", "gap_trend", "gap_trend_se",
+               "heldout_evals", "time_to_quality_s", "accuracy_verdict", "heldout"]
 
 
 def write_csv(rows: Sequence[Row], path: Path) -> Path:
@@ -159,7 +178,10 @@ def write_csv(rows: Sequence[Row], path: Path) -> Path:
         writer = csv.DictWriter(handle, fieldnames=_CSV_FIELDS)
         writer.writeheader()
         for row in rows:
-            values = {f: getattr(row, f) for f in _CSV_FIELDS}
+            values = {f: getattr(row, f, None) for f in _CSV_FIELDS}
+            judged = row.series.get("heldout")
+            values["heldout_final"] = judged[-1][1] if judged and row.ok else None
+            values["heldout"] = json.dumps(row.heldout) if row.heldout else None
             values["numerics_at_risk"] = "; ".join(
                 f"{name} ({issue})" for name, issue in row.numerics_at_risk)
             writer.writerow(values)

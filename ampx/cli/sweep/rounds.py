@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+from .accuracy import Metric, judge
 from .plan import WRITE_S, format_duration, run_limit
 from .run import Launcher, StepCallback, SweepConfig, SweepSpec, run_one
 from .stats import Row, compare, not_run
@@ -83,7 +84,7 @@ def run_sweep(spec: SweepSpec, progress: Optional[Callable[[str], None]] = None,
             kept = best.get(config)
             if kept is None or (kept.ok and (not row.ok or _faster(row, kept))):
                 best[config] = row
-            compare([best[c] for c in spec.configs if c in best])
+            _compare([best[c] for c in spec.configs if c in best], spec)
             say(f"[{count}/{len(order)}] {config.label}: {_progress_text(row)}")
     except KeyboardInterrupt as exc:
         stopped: Optional[Row] = getattr(exc, "row", None)
@@ -91,11 +92,17 @@ def run_sweep(spec: SweepSpec, progress: Optional[Callable[[str], None]] = None,
             best.setdefault(next(c for c in spec.configs if c.label == stopped.label), stopped)
         rows = [best.get(c) or _row_not_run(c, "the sweep was interrupted first")
                 for c in spec.configs]
-        compare(rows)
+        _compare(rows, spec)
         raise SweepInterrupted(rows) from None
     rows = [best[c] for c in spec.configs]
-    compare(rows)
+    _compare(rows, spec)
     return rows
+
+
+def _compare(rows: list[Row], spec: SweepSpec) -> None:
+    """Speed, memory and loss against O0 (`stats.compare`), then accuracy (`accuracy.judge`)."""
+    compare(rows)
+    judge(rows, spec.metric or Metric())
 
 
 def _faster(row: Row, than: Row) -> bool:
@@ -111,4 +118,6 @@ def _progress_text(row: Row) -> str:
     step = f"{row.step_time_s * 1e3:.1f} ms/step" if row.step_time_s else "? ms/step"
     loss = f"loss {row.final_loss:.4g}" if row.final_loss is not None else "no loss"
     busy = f", other load {row.other_cpus:.1f} CPUs" if row.other_cpus is not None else ""
-    return f"{row.status}, {wall}, {row.steps} steps, {step}, {loss}{busy}"
+    judged = row.series.get("heldout")
+    held = f", held-out {judged[-1][1]:.4g} at step {judged[-1][0]}" if judged else ""
+    return f"{row.status}, {wall}, {row.steps} steps, {step}, {loss}{held}{busy}"

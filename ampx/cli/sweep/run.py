@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import IO, Any, Callable, Optional
 
 from ... import telemetry
+from .accuracy import Metric, attach
 from .stats import LoadMeter, Row, summarize, withhold
 
-__all__ = ["RunInterrupted", "SweepConfig", "SweepSpec", "build_configs", "child_env",
+__all__ = ["LEVEL_ROWS", "RunInterrupted", "SweepConfig", "SweepSpec", "build_configs", "child_env",
            "command_for", "run_one"]
 
 _AMPX_ROOT = Path(__file__).resolve().parents[3]  # the directory that holds `ampx/`
@@ -49,10 +50,15 @@ class SweepConfig:
     Attributes:
         opt_level: "O0".."O3", or None for the plain torch.autocast row.
         dtype: "fp16" or "bf16" (None for O0, which runs in float32).
+        variant: A name for a row of the same level and dtype with other options ("" for
+            the level's own row); it ends the label.
+        options: Extra `ampx run` options of this row (e.g. an opt-level override).
     """
 
     opt_level: Optional[str]
     dtype: Optional[str]
+    variant: str = ""
+    options: tuple[str, ...] = ()
 
     @property
     def autocast(self) -> bool:
@@ -63,7 +69,8 @@ class SweepConfig:
     def label(self) -> str:
         """The row label: "O0", "O2 bf16", "autocast bf16"."""
         head = self.opt_level or "autocast"
-        return f"{head} {self.dtype}" if self.dtype else head
+        label = f"{head} {self.dtype}" if self.dtype else head
+        return f"{label} {self.variant}" if self.variant else label
 
     @property
     def slug(self) -> str:
@@ -95,6 +102,8 @@ class SweepSpec:
         numerics: Run the O1-O3 configurations with ``ampx run --numerics`` (the report goes
             next to the run's telemetry, ``runs/<slug>.numerics/``).
         env: Extra environment variables for the runs.
+        metric: What accuracy is judged by (the built-in examples: their held-out loss;
+            a script: `--metric NAME`, or None when it reports none).
     """
 
     script: Path
@@ -111,11 +120,22 @@ class SweepSpec:
     run_options: list[str] = dataclasses.field(default_factory=list)
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     numerics: bool = False
+    metric: Optional[Metric] = None
+
+
+LEVEL_ROWS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    # opt level -> its rows per half dtype: (variant name, extra `ampx run` options), one a line
+    "O1": (("", ()),),
+    "O2": (("", ()),),
+    "O3": (("", ()),),
+}
+"""The sweep's rows per opt level, as data: a new variant of a level is one more line."""
 
 
 def build_configs(levels: Sequence[str], dtypes: Sequence[str], *,
                   autocast: bool) -> list[SweepConfig]:
-    """The configurations of a sweep: O0 once (float32), other levels once per dtype.
+    """The configurations of a sweep: O0 once (float32), other levels once per dtype and
+    `LEVEL_ROWS` variant.
 
     Args:
         levels: Opt levels, e.g. ["O0", "O1", "O2", "O3"].
@@ -134,7 +154,8 @@ def build_configs(levels: Sequence[str], dtypes: Sequence[str], *,
     for level in levels:
         if level == "O0":
             continue
-        configs.extend(SweepConfig(level, dtype) for dtype in dtypes)
+        configs.extend(SweepConfig(level, dtype, variant, options) for dtype in dtypes
+                       for variant, options in LEVEL_ROWS.get(level, (("", ()),)))
     if autocast:
         configs.extend(SweepConfig(None, dtype) for dtype in dtypes)
     return configs
@@ -147,6 +168,7 @@ def command_for(spec: SweepSpec, config: SweepConfig, telemetry_file: Path) -> l
         cmd += ["--opt-level", config.opt_level]
         if config.dtype is not None:
             cmd += ["--dtype", config.dtype]
+        cmd += list(config.options)
     if spec.steps is not None:
         cmd += ["--max-steps", str(spec.steps)]
     if spec.numerics and config.opt_level not in (None, "O0"):
@@ -214,6 +236,7 @@ def _wait(proc: subprocess.Popen[Any], spec: SweepSpec, config: SweepConfig, tai
             on_steps(config, tail.steps, spec.steps, tail.last_step_s)
         if time.monotonic() > deadline:
             _stop(proc)
+            tail.poll()  # what it wrote since the last poll: its last step may be among it
             return "timeout"
 
 
@@ -281,7 +304,7 @@ def run_one(spec: SweepSpec, config: SweepConfig, launcher: Optional[Launcher] =
         log.write(err.read())
     err_file.unlink()
     meter.finish(row)
-    _summarize_run(row, telemetry_file)
+    _summarize_run(row, telemetry_file, spec.metric)
     if interrupted:
         raise RunInterrupted(row)
     return row
@@ -303,9 +326,10 @@ def _finish(row: Row, proc: subprocess.Popen[Any], outcome: Optional[str],
         row.error = f"exit {proc.returncode}: {_last_error_line(err.read())}"
 
 
-def _summarize_run(row: Row, telemetry_file: Path) -> None:
+def _summarize_run(row: Row, telemetry_file: Path, metric: Optional[Metric]) -> None:
     init, steps = telemetry.read_telemetry(telemetry_file)
     summarize(row, init, steps)
+    attach(row, telemetry.read_metrics(telemetry_file)[0], steps, metric or Metric())
     report = numerics_dir(telemetry_file) / "numerics.json"
     if report.is_file():  # the run's numerics report (sweep --numerics): its top modules at risk
         try:

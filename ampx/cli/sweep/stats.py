@@ -77,7 +77,19 @@ class Row:
             at risk (`[[name, issue], ...]`, top 3).
         unreliable: Why this row's timings (or O0's, which its speed-up divides) are not to
             be trusted, or None.
-        series: Per-step "loss", "loss_scale", "step_time_s" and "skipped" lists.
+        heldout: The final value of every metric the run evaluated (the built-in examples:
+            `{"loss": ..., "accuracy": ...}` on their held-out split); None without any.
+        heldout_gap: The judged metric's final relative gap to O0's (positive: worse).
+        gap_trend: That gap's fitted growth over the run (`accuracy.trend`), and
+            `gap_trend_se` its standard error.
+        heldout_evals: Evaluations compared with O0's.
+        time_to_quality_s: Training seconds until the judged metric first reached O0's final
+            value (None: never).
+        accuracy_verdict: "same", "drifting", "worse" or "too-short" (`accuracy.judge`);
+            None when there is nothing to judge by; `accuracy_note` says why.
+        series: Per-step "loss", "loss_scale", "step_time_s" and "skipped" lists; with
+            evaluations also "heldout" ([step, value] of the judged metric),
+            "heldout_time_s" and "metrics" (every metric's [step, value] pairs).
         init: The run's telemetry `init` record (properties, requested and forced options).
         command: The command line that ran.
         log: Path of the run's captured stdout/stderr.
@@ -109,7 +121,15 @@ class Row:
     skip_culprits: list[list[Any]] = dataclasses.field(default_factory=list)
     numerics_at_risk: list[list[str]] = dataclasses.field(default_factory=list)
     unreliable: Optional[str] = None
-    series: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    heldout: Optional[dict[str, float]] = None
+    heldout_gap: Optional[float] = None
+    gap_trend: Optional[float] = None
+    gap_trend_se: Optional[float] = None
+    heldout_evals: int = 0
+    time_to_quality_s: Optional[float] = None
+    accuracy_verdict: Optional[str] = None
+    accuracy_note: Optional[str] = None
+    series: dict[str, Any] = dataclasses.field(default_factory=dict)
     init: Optional[dict[str, Any]] = None
     command: list[str] = dataclasses.field(default_factory=list)
     log: Optional[str] = None
@@ -194,6 +214,7 @@ def withhold(row: Row) -> Row:
     row.final_loss = row.final_scale = row.step_time_s = None
     row.step_time_q1 = row.step_time_q3 = row.step_time_spread = None
     row.skipped, row.peak_mem_bytes, row.skip_culprits = None, None, []
+    row.heldout = None
     return row
 
 
