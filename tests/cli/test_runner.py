@@ -254,18 +254,23 @@ INIT_OLD_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.kernel_backend
 @pytest.mark.parametrize("forced,dtype", [(["--dtype", "bf16"], "torch.bfloat16"),
+                                          (["-O", "O2", "--dtype", "bf16"], "torch.bfloat16"),
                                           (["-O", "O0"], "torch.float32"),
+                                          (["--disable"], "torch.float32"),
                                           ([], "torch.float16")])
 def test_amp_init_follows_the_forced_dtype(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                            forced: list[str], dtype: str) -> None:
-    """apex's older entry `amp.init()` casts in the dtype `ampx run` forces (none at -O O0),
-    and its O1 casts count as ampx being used: no "never called amp.initialize" warning."""
+    """apex's older entry `amp.init()` casts in the dtype `ampx run` forces (none at -O O0 or
+    --disable), names the forced options it cannot apply, and its O1 casts count as ampx
+    being used: no "never called amp.initialize" warning."""
     script = tmp_path / "old.py"
     script.write_text(INIT_OLD_SCRIPT)
     assert cli.main(["run", *forced, str(script)]) == 0
     out, err = capsys.readouterr()
     assert f"dtype {dtype}\n" in out
-    assert ("never called amp.initialize" in err) == (forced == ["-O", "O0"]), err
+    assert ("never called amp.initialize" in err) == (dtype == "torch.float32"), err
+    assert ("amp.init() installs O1's casts only; the forced opt_level='O2' need "
+            "amp.initialize" in err) == ("O2" in forced), err
 
 
 CHILD_TRAINS_SCRIPT = textwrap.dedent("""
