@@ -103,7 +103,9 @@ class Amp:
         self.process_group = process_group
         props = self.properties
         self.scalers: list[LossScaler] = [
-            LossScaler(props.scale, **props.scaler_options(), loss_id=i)
+            # verbosity=0 silences the skipped-step lines, as apex's did
+            LossScaler(props.scale, **props.scaler_options(), loss_id=i,
+                       log_level=logging.INFO if props.verbosity else logging.DEBUG)
             for i in range(props.num_losses)
         ]
         self.models: list[torch.nn.Module] = []

@@ -283,21 +283,27 @@ if __name__ == "__main__":
 def test_gloo_flag_reduction_returns_only_after_the_worker_released_the_flag(monkeypatch):
     """gloo's worker thread drops its reference to the flag after wait(); ampx waits for it,
     so that thread never frees the Python object (a SIGABRT at interpreter exit)."""
-    import threading
-
     import torch.distributed as dist
 
     from ampx import distributed as ampx_dist
 
     parked: list[torch.Tensor] = []
+    looks: list[int] = []
+    count = ampx_dist._references
 
     def fake_all_reduce(t, op=None, group=None):
         parked.append(t.view(-1))  # a view holds a C++ reference to its base
-        threading.Timer(0.05, parked.clear).start()
+
+    def references(t):  # "the worker" lets go while ampx looks for the third time
+        looks.append(1)
+        if len(looks) == 3:
+            parked.clear()
+        return count(t)
 
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(ampx_dist, "_references", references)
     flag = torch.zeros(1)
     before = flag._use_count()
     ampx_dist.reduce_found_inf_(flag)
-    assert flag._use_count() == before and not parked
+    assert flag._use_count() == before and not parked and len(looks) == 3

@@ -297,7 +297,8 @@ def _warn_without_initialize(request: RunRequest) -> Iterator[None]:
         yield
     finally:
         hook.remove()
-        initialized = steps["ampx"] > 0 or frontend.default_session() is not before
+        initialized = steps["ampx"] > 0 or frontend.default_session() is not before \
+            or _o1_active()  # amp.init(): O1's casts, in the forced dtype
         if not initialized and (steps["plain"] or request.forced):
             forced = request.forced.describe()
             logger.warning(
@@ -306,6 +307,34 @@ def _warn_without_initialize(request: RunRequest) -> Iterator[None]:
                 "`model, optimizer = amp.initialize(model, optimizer)` after building them.",
                 f", so the forced options ({forced}) were not applied" if forced else "",
                 steps["plain"])
+
+
+def _o1_active() -> bool:
+    from ..o1 import patch
+
+    return patch.active() is not None
+
+
+def _warn_on_a_plain_step(forced: Any) -> None:
+    """In a child process given forced options: warn at its first optimizer step when that
+    optimizer is not ampx's and nothing was initialized (the parent's exit check does not see
+    children: `mp.spawn` ranks, launchers' workers). The hook goes at that first step."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from .. import frontend
+    from ..scaling.protocol import amp_state_of
+
+    def check(optimizer: Any, args: Any, kwargs: Any) -> None:
+        handle.remove()
+        if amp_state_of(optimizer) is None and frontend.default_session() is None \
+                and not _o1_active():
+            logger.warning(
+                "ampx run: process %d steps an optimizer that amp.initialize did not prepare, "
+                "so the forced options (%s) are not applied in it: it trains in the precision "
+                "the script chose. Call `model, optimizer = amp.initialize(model, optimizer)` "
+                "in this process too.", os.getpid(), forced.describe())
+
+    handle = register_optimizer_step_pre_hook(check)
 
 
 @contextlib.contextmanager
@@ -363,8 +392,10 @@ def apply_child_config(config: Mapping[str, Any]) -> None:
 
     if config.get("alias"):
         apex_alias.install(force=bool(config.get("force_alias")))
-    forced = config.get("forced")
-    set_forced_options(ForcedOptions.from_json(forced) if forced else None)
+    forced = ForcedOptions.from_json(config["forced"]) if config.get("forced") else None
+    set_forced_options(forced)
+    if forced:
+        _warn_on_a_plain_step(forced)
 
 
 # -- tracebacks ---------------------------------------------------------------------------------

@@ -420,6 +420,12 @@ def _current_caster() -> Caster | None:
 
 def _decorator(policy: CastRule) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
+        # above @staticmethod/@classmethod: wrap the function inside and rebuild the
+        # descriptor (apex wrapped the descriptor object itself: a TypeError when called).
+        # A plain closure, not a wrapt proxy: dynamo traces through it (and its cast), where
+        # it takes a proxy for the function it reports and traces the original, uncast.
+        if isinstance(fn, (staticmethod, classmethod)):
+            return type(fn)(decorate(fn.__func__))
         return decorator_wrapper(fn, policy, _current_caster)  # type: ignore[return-value]
 
     return decorate

@@ -109,7 +109,26 @@ class ForcedOptions:
                 if key not in self.options:
                     options.pop(key, None)
         options.update(self.options)
+        if self._outputs_follow(requested):
+            options["cast_model_outputs"] = self.options["dtype"]
         return options
+
+    def _wanted(self, requested: Mapping[str, Any]) -> torch.dtype | None:
+        """The dtype the script's own call trains in (None: its value is bad)."""
+        asked = requested.get("dtype")
+        try:
+            return Properties.dtype if asked is None else parse_dtype(asked)
+        except ValueError:  # the script's own value is bad: the forced one replaces it
+            return None
+
+    def _outputs_follow(self, requested: Mapping[str, Any]) -> bool:
+        """Whether the script's `cast_model_outputs` is its own half dtype, which a forced
+        dtype replaces: apex scripts wrote ``torch.float16`` to mean "the half dtype", and
+        under ``--dtype bf16`` float16 outputs would overflow past 65504."""
+        forced = self.options.get("dtype")
+        wanted = self._wanted(requested)
+        return forced is not None and wanted is not None and forced != wanted \
+            and requested.get("cast_model_outputs") == wanted
 
     def dtype_note(self, requested: Mapping[str, Any]) -> str | None:
         """The warning to give when the forced dtype is not the one the script's own call
@@ -120,19 +139,19 @@ class ForcedOptions:
         """
         forced = self.options.get("dtype")
         asked = requested.get("dtype")
-        try:
-            wanted = Properties.dtype if asked is None else parse_dtype(asked)
-        except ValueError:  # the script's own value is bad: the forced one replaces it
-            wanted = None
+        wanted = self._wanted(requested)
         if forced is None or forced == wanted:
             return None
         default = dtype_name(Properties.dtype)
         how = (f"passed dtype={asked!r}" if asked is not None
                else f"passed no dtype (apex's API trains {default})")
+        outputs = (f" Its cast_model_outputs=torch.{dtype_name(wanted)} is read as the half "
+                   f"dtype: the model's outputs come back {dtype_name(forced)}."
+                   if wanted is not None and self._outputs_follow(requested) else "")
         return (f"ampx run --dtype {dtype_name(forced)}: training in {dtype_name(forced)}. The "
                 f"script's initialize {how}, so its own flags and logs that say "
                 f"{dtype_name(wanted) if wanted is not None else default} (the HF Trainer's "
-                "--fp16, for one) do not describe this run.")
+                f"--fp16, for one) do not describe this run.{outputs}")
 
     def jsonable(self) -> dict[str, Any]:
         """The options with JSON types: levels as "O2", dtypes as "bfloat16"."""

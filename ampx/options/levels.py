@@ -72,7 +72,8 @@ class Properties:
         cast_model_outputs: Dtype forward outputs are cast to (float32 when the model is
             cast, as apex; None: outputs are left alone).
         num_losses: Number of loss scalers (one per `loss_id`).
-        verbosity: 0 silences info logs; 2 logs every cast made by the O1 patches.
+        verbosity: 0 silences the option table and the skipped-step lines (as apex did); 2
+            logs every cast made by the O1 patches.
         min_loss_scale: Floor of the dynamic scale (None: no floor).
         max_loss_scale: Ceiling of the dynamic scale; also clamps the initial scale.
         init_scale: Initial dynamic scale (before clamping by `max_loss_scale`).

@@ -9,7 +9,8 @@ normal number, how many are zero, the smallest non-zero magnitude; for parameter
 the counts only), by integer reductions over their bits (:mod:`.numerics_stats`). An output
 is measured once: the module it feeds, and a parent returning it, reuse its numbers while it
 is unchanged. Optionally, every ``shadow_every``-th watched step, a module is re-run in
-float32 on its upcast inputs and the relative error of its half output is recorded.
+float32 on its upcast inputs and the relative error of its half output is recorded; the
+re-run leaves the run as it was (:func:`_shadow_scope`).
 :meth:`NumericsMonitor.step` reads the step's numbers to the host at once (no sync per
 tensor) and takes the hooks off; between watched steps no hook is installed, so the models
 run exactly as without the monitor.
@@ -19,8 +20,9 @@ The ranking and the advice are in :mod:`ampx.overflow.numerics_report`.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +111,10 @@ class _Pending:
     shadow: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     outputs: dict[int, _Seen] = field(default_factory=dict)  # by id(tensor)
     inputs: dict[int, _Seen] = field(default_factory=dict)   # measured for their max only
+    # shadow steps: where the random generators stood when a module's first call began
+    # (kind, devices, states), and the modules shadowed already (once a step each)
+    rng: dict[int, tuple[str, list[int], Any]] = field(default_factory=dict)
+    shadowed: set[int] = field(default_factory=set)
 
     def add(self, parts: Sequence[torch.Tensor | int]) -> int:
         self.parts.extend(parts)
@@ -121,6 +127,52 @@ class _Pending:
         if seen is not None and seen.ref() is t and seen.version == t._version:
             return seen
         return None
+
+
+def _rng_devices(module: nn.Module, args: Any, kwargs: Any) -> tuple[str, list[int]]:
+    """The accelerator (type, indices) a module call draws random numbers on: those of its
+    floating inputs and its first parameter (the CPU's generator is always included)."""
+    found: dict[str, set[int]] = {}
+    first = next(module.parameters(), None)
+    for t in [*_float_tensors(tuple(args)), *_float_tensors(dict(kwargs or {})),
+              *([first] if first is not None else [])]:
+        if t.device.type not in ("cpu", "meta"):
+            found.setdefault(t.device.type, set()).add(
+                t.device.index if t.device.index is not None else 0)
+    if not found:
+        return "cuda", []
+    kind, indices = next(iter(found.items()))
+    return kind, sorted(indices)
+
+
+def _rng_state(kind: str, devices: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    mod = torch.get_device_module(kind) if devices else None
+    return torch.get_rng_state(), [mod.get_rng_state(i) for i in devices] if mod else []
+
+
+@contextlib.contextmanager
+def _shadow_scope(module: nn.Module, rng: tuple[str, list[int], Any] | None) -> Iterator[None]:
+    """Where the fp32 shadow runs, so that it leaves the run as it was: no gradient, no casts,
+    the random generators forked (set back afterwards) and set to where they stood when the
+    module's forward began (`rng`: it replays the forward's draws, a dropout's mask included),
+    and every hook of the module and its submodules (the user's, ampx's, global ones) off:
+    each module is called straight through its ``forward``, as ``nn.Module`` does for a
+    module with no hooks (``_compiled_call_impl`` is the seam ``Module.compile`` uses)."""
+    kind, devices, state = rng if rng is not None else ("cuda", [], None)
+    saved = [(m, m.__dict__.get("_compiled_call_impl")) for m in module.modules()]
+    with torch.random.fork_rng(devices=devices, device_type=kind), torch.no_grad(), \
+            disable_casts():
+        if state is not None:
+            torch.set_rng_state(state[0])
+            for index, s in zip(devices, state[1]):
+                torch.get_device_module(kind).set_rng_state(s, index)
+        try:
+            for m, _ in saved:
+                m._compiled_call_impl = m.forward
+            yield
+        finally:
+            for m, old in saved:
+                m._compiled_call_impl = old
 
 
 def _read(parts: list[Any]) -> list[Any]:
@@ -225,9 +277,14 @@ class NumericsMonitor:
             return
         self._scale = float(self._read_scale()) if self._read_scale is not None else 1.0
         self._pending = _Pending()
+        shadow = self._shadow_now()
         try:
             for index, module in enumerate(self.modules):
-                self._handles.append(module.register_forward_hook(self._forward_hook(index)))
+                if shadow:
+                    self._handles.append(module.register_forward_pre_hook(
+                        self._rng_hook(index), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(
+                    self._forward_hook(index), with_kwargs=True))
         except BaseException:
             self._disarm()
             raise
@@ -243,8 +300,17 @@ class NumericsMonitor:
         return self.shadow_every > 0 and self.watched % self.shadow_every == 0
 
     # -- hooks ------------------------------------------------------------------------------
+    def _rng_hook(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            pending = self._pending
+            if pending is None or index in pending.rng or not torch.is_grad_enabled():
+                return
+            kind, devices = _rng_devices(module, args, kwargs)
+            pending.rng[index] = (kind, devices, _rng_state(kind, devices))
+        return hook
+
     def _forward_hook(self, index: int) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             pending = self._pending
             if pending is None or self._in_shadow or not torch.is_grad_enabled():
                 return
@@ -278,8 +344,9 @@ class NumericsMonitor:
                     if param.requires_grad and param.is_leaf:
                         self._handles.append(
                             param.register_post_accumulate_grad_hook(self._param_hook(index)))
-            if outputs and self._shadow_now():
-                self._shadow(index, module, args, outputs[0])
+            if outputs and self._shadow_now() and index not in pending.shadowed:
+                pending.shadowed.add(index)
+                self._shadow(index, module, args, kwargs, outputs[0])
         return hook
 
     def _measure(self, kind: str, indices: list[int], grad: torch.Tensor | None) -> None:
@@ -302,8 +369,10 @@ class NumericsMonitor:
             self._measure("params", [index], param.grad)
         return hook
 
-    def _shadow(self, index: int, module: nn.Module, args: Any, half_out: torch.Tensor) -> None:
-        """Re-run `module` in float32 on its upcast inputs; record the relative error."""
+    def _shadow(self, index: int, module: nn.Module, args: Any, kwargs: Any,
+                half_out: torch.Tensor) -> None:
+        """Re-run `module` (and so its submodules) in float32 on its upcast inputs, once a
+        watched step, in :func:`_shadow_scope`; record the relative error."""
         if half_out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return
         pending = self._pending
@@ -312,12 +381,15 @@ class NumericsMonitor:
         state = {k: v.detach().float().clone() if v.is_floating_point() else v.clone()
                  for k, v in {**dict(module.named_parameters()),
                               **dict(module.named_buffers())}.items()}
-        inputs = tuple(a.detach().float() if isinstance(a, torch.Tensor)
-                       and a.is_floating_point() else a for a in args)
+        def up(a: Any) -> Any:
+            return a.detach().float() if isinstance(a, torch.Tensor) \
+                and a.is_floating_point() else a
+        inputs = tuple(up(a) for a in args)
+        named = {k: up(v) for k, v in (kwargs or {}).items()}
         self._in_shadow = True
         try:
-            with torch.no_grad(), disable_casts():
-                ref = torch.func.functional_call(module, state, inputs)
+            with _shadow_scope(module, pending.rng.get(index)):
+                ref = torch.func.functional_call(module, state, inputs, named)
         except Exception:  # a module that does not run on fp32 inputs: no shadow for it
             return
         finally:

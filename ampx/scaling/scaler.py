@@ -76,6 +76,8 @@ class LossScaler:
         max_loss_scale: Ceiling.
         loss_id: The index of this scaler, for messages.
         device: Where the state lives; moved to the gradients' device on first use.
+        log_level: The level of the skipped-step lines (`initialize`'s ``verbosity=0``, like
+            apex's, silences them: DEBUG). The floor warning is a WARNING at any level.
 
     Example::
 
@@ -98,6 +100,7 @@ class LossScaler:
         max_loss_scale: float = DEFAULTS.max_loss_scale,
         loss_id: int = 0,
         device: torch.device | str = "cpu",
+        log_level: int = logging.INFO,
     ) -> None:
         self.dynamic = loss_scale == "dynamic"
         start = min(max_loss_scale, init_scale) if self.dynamic else float(loss_scale)
@@ -108,6 +111,7 @@ class LossScaler:
         self.min_loss_scale = min_loss_scale
         self.max_loss_scale = float(max_loss_scale)
         self.loss_id = loss_id
+        self.log_level = log_level
         self._start = float(start)
         device = torch.device(device)
         # torch.tensor, not full/clone: their kernels' code pages are resident memory that a
@@ -316,17 +320,18 @@ class LossScaler:
 
     def _log_overflow(self, old_scale: float, new_scale: float, where: str) -> None:
         extra = f" ({self._suppressed} similar messages suppressed)" if self._suppressed else ""
+        level = self.log_level
         if not self.dynamic:
-            logger.info("Non-finite gradients%s.  Skipping step, loss scaler %d keeps its "
-                        "static loss scale %s%s", where, self.loss_id, new_scale, extra)
+            logger.log(level, "Non-finite gradients%s.  Skipping step, loss scaler %d keeps its "
+                       "static loss scale %s%s", where, self.loss_id, new_scale, extra)
         elif new_scale < old_scale:
-            logger.info("Gradient overflow%s.  Skipping step, loss scaler %d reducing loss "
-                        "scale to %s (was %s)%s", where, self.loss_id, new_scale, old_scale,
-                        extra)
+            logger.log(level, "Gradient overflow%s.  Skipping step, loss scaler %d reducing loss "
+                       "scale to %s (was %s)%s", where, self.loss_id, new_scale, old_scale,
+                       extra)
         else:
-            logger.info("Gradient overflow%s.  Skipping step, loss scaler %d keeps loss scale "
-                        "%s (hysteresis=%d: more overflows are tolerated before backing off)%s",
-                        where, self.loss_id, new_scale, self.hysteresis, extra)
+            logger.log(level, "Gradient overflow%s.  Skipping step, loss scaler %d keeps loss "
+                       "scale %s (hysteresis=%d: more overflows are tolerated before backing "
+                       "off)%s", where, self.loss_id, new_scale, self.hysteresis, extra)
 
     def _warn_at_floor(self, new_scale: float) -> None:
         at_floor = new_scale <= self.floor

@@ -209,3 +209,100 @@ def test_child_config_carries_alias_and_forced_options() -> None:
     assert json.loads(config["forced"]) == {"opt_level": "O3"}
     assert Path(config["ampx_root"], "ampx", "cli", "run.py").is_file()
     json.dumps(config)  # it travels as JSON
+
+
+SKIP_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    from apex import amp
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1",
+                                      verbosity=int(sys.argv[1]))
+    model.weight.register_hook(lambda g: g * float("inf"))
+    loss = model(torch.randn(3, 4)).float().sum()
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+""")
+
+
+@pytest.mark.kernel_backend
+@pytest.mark.parametrize("verbosity", [0, 1])
+def test_verbosity_0_silences_the_skipped_step_line_under_ampx_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], verbosity: int) -> None:
+    """apex printed "Gradient overflow ... Skipping step" only with verbosity > 0; `ampx run`
+    shows ampx's INFO lines, so the line must follow the script's verbosity."""
+    script = tmp_path / "skip.py"
+    script.write_text(SKIP_SCRIPT)
+    assert cli.main(["run", str(script), str(verbosity)]) == 0
+    err = capsys.readouterr().err
+    assert ("Skipping step" in err) == bool(verbosity), err
+
+
+INIT_OLD_SCRIPT = textwrap.dedent("""
+    import torch
+    from apex import amp
+
+    handle = amp.init()
+    print("dtype", torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype, flush=True)
+    model = torch.nn.Linear(2, 2)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+""")
+
+
+@pytest.mark.kernel_backend
+@pytest.mark.parametrize("forced,dtype", [(["--dtype", "bf16"], "torch.bfloat16"),
+                                          (["-O", "O2", "--dtype", "bf16"], "torch.bfloat16"),
+                                          (["-O", "O0"], "torch.float32"),
+                                          (["--disable"], "torch.float32"),
+                                          ([], "torch.float16")])
+def test_amp_init_follows_the_forced_dtype(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           forced: list[str], dtype: str) -> None:
+    """apex's older entry `amp.init()` casts in the dtype `ampx run` forces (none at -O O0 or
+    --disable), names the forced options it cannot apply, and its O1 casts count as ampx
+    being used: no "never called amp.initialize" warning."""
+    script = tmp_path / "old.py"
+    script.write_text(INIT_OLD_SCRIPT)
+    assert cli.main(["run", *forced, str(script)]) == 0
+    out, err = capsys.readouterr()
+    assert f"dtype {dtype}\n" in out
+    assert ("never called amp.initialize" in err) == (dtype == "torch.float32"), err
+    assert ("amp.init() installs O1's casts only; the forced opt_level='O2' need "
+            "amp.initialize" in err) == ("O2" in forced), err
+
+
+CHILD_TRAINS_SCRIPT = textwrap.dedent("""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent('''
+    import sys, torch
+    from apex import amp
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if sys.argv[1] == "init":
+        model, opt = amp.initialize(model, opt, verbosity=0)
+    for _ in range(2):
+        model(torch.ones(1, 2)).float().sum().backward()
+        opt.step()
+    ''')
+    for how in ("plain", "init"):
+        child = subprocess.run([sys.executable, "-c", code, how],
+                               capture_output=True, text=True, timeout=300)
+        print(how, child.returncode, child.stderr.count("are not applied in it"), flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_a_child_process_that_skips_initialize_is_warned(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The parent's exit check ("the forced options were not applied") cannot see a child
+    process; the child warns itself, once, at its first step of an optimizer ampx did not
+    prepare (and a child that initialized is not warned)."""
+    script = tmp_path / "parent.py"
+    script.write_text(CHILD_TRAINS_SCRIPT)
+    assert cli.main(["run", "-q", "--dtype", "bf16", str(script)]) == 0
+    assert capsys.readouterr().out.splitlines() == ["plain 0 1", "init 0 0"]

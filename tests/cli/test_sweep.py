@@ -25,6 +25,7 @@ from ampx.cli.sweep import plot as sweep_plot
 from ampx.cli.sweep import probe as sweep_probe
 from ampx.cli.sweep import report as sweep_report
 from ampx.cli.sweep import rounds as sweep_rounds
+from ampx.cli.sweep import run as sweep_run
 from ampx.cli.sweep import stats as sweep_stats
 from ampx.cli.sweep.stats import Row
 
@@ -368,46 +369,66 @@ def _slow_launcher(fake: Path) -> sweep.Launcher:
     return lambda config, _: [sys.executable, str(fake), config.opt_level or "-"]
 
 
+STEP_BY_STEP_FAKE = textwrap.dedent("""
+    # Writes step i + 1 once the sweep has reported step i (the test's on_steps writes the
+    # count it saw to sys.argv[1]): progress is seen step by step whatever the machine's load.
+    import json, os, sys, time
+    ack = sys.argv[1]
+    with open(os.environ["AMPX_TELEMETRY"], "a") as f:
+        f.write(json.dumps({"event": "init", "opt_level": "O0"}) + "\\n")
+        for i in range(4):
+            f.write(json.dumps({"event": "step", "step": i + 1, "optimizer": 0,
+                                "step_time_s": 0.3, "loss": 1.0, "loss_scale": 1.0,
+                                "skipped": False, "peak_mem_bytes": 2**20}) + "\\n")
+            f.flush()
+            deadline = time.monotonic() + 120
+            while i < 3 and time.monotonic() < deadline and not (
+                    os.path.exists(ack) and open(ack).read() == str(i + 1)):
+                time.sleep(0.02)
+""")
+
+
 def test_step_progress_is_reported_while_a_run_goes(tmp_path: Path) -> None:
-    fake = tmp_path / "slow.py"
-    fake.write_text(SLOW_FAKE)
+    fake = tmp_path / "steps.py"
+    fake.write_text(STEP_BY_STEP_FAKE)
+    ack = tmp_path / "ack"
     spec = sweep.SweepSpec(script=fake, script_args=[], out=tmp_path / "out", steps=4,
-                           configs=[SweepConfig("O0", None)])
+                           configs=[SweepConfig("O0", None)], timeout_s=300)
     seen: list[tuple[int, int | None]] = []
-    rows = sweep.run_sweep(spec, launcher=_slow_launcher(fake),
-                           on_steps=lambda config, done, total, step_s: seen.append((done, total)))
+
+    def on_steps(config: SweepConfig, done: int, total: int | None, step_s: float | None) -> None:
+        seen.append((done, total))
+        ack.write_text(str(done))
+
+    rows = sweep.run_sweep(spec, launcher=lambda config, _: [sys.executable, str(fake), str(ack)],
+                           on_steps=on_steps)
     assert rows[0].status == "ok" and rows[0].steps == 4
-    assert len(seen) >= 2 and seen == sorted(seen) and seen[0][1] == 4
+    assert seen[:3] == [(1, 4), (2, 4), (3, 4)]  # one report per step, the expected total
 
 
 def test_ctrl_c_stops_the_run_and_keeps_what_finished(tmp_path: Path) -> None:
-    import _thread
-    import threading
+    """Ctrl-C (a real SIGINT to this process) as soon as the endless O1 run has reported a
+    step: the run is stopped, O0's row is kept and O2 is listed as not run. Event-driven: no
+    timer, no progress text to match; the run's limit only bounds a failure."""
+    import signal
 
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     fake = tmp_path / "slow.py"
     fake.write_text(SLOW_FAKE)
-    spec = sweep.SweepSpec(script=fake, script_args=[], out=tmp_path / "out",
+    spec = sweep.SweepSpec(script=fake, script_args=[], out=tmp_path / "out", timeout_s=300,
                            configs=sweep.build_configs(["O0", "O1", "O2"], ["bf16"],
                                                        autocast=False))
 
-    timer = threading.Timer(1.0, _thread.interrupt_main)
+    def on_steps(config: SweepConfig, done: int, total: int | None, step_s: float | None) -> None:
+        if config.label == "O1 bf16":  # press Ctrl-C once the endless O1 run has stepped
+            signal.raise_signal(signal.SIGINT)
 
-    def progress(text: str) -> None:
-        if text == "[2/3] O1 bf16: running":  # press Ctrl-C 1 s into the endless O1 run
-            timer.start()
-
-    try:
-        with pytest.raises(sweep.SweepInterrupted) as caught:
-            sweep.run_sweep(spec, progress=progress, launcher=_slow_launcher(fake))
-    finally:
-        timer.cancel()
-        if timer.is_alive():
-            timer.join()
+    with pytest.raises(sweep.SweepInterrupted) as caught:
+        sweep.run_sweep(spec, launcher=_slow_launcher(fake), on_steps=on_steps)
     rows = caught.value.rows
     assert [(r.label, r.status) for r in rows] == [
         ("O0", "ok"), ("O1 bf16", "interrupted"), ("O2 bf16", "not run")]
-    assert rows[1].steps >= 1 and rows[1].returncode is None
-    assert (rows[1].wall_s or 99) < 30  # the endless run was stopped, not waited for
+    assert rows[1].steps >= 1 and rows[1].returncode is None  # stopped, not waited for
     # the stopped run's loss after a few steps is not a result; the unstarted row is listed
     assert rows[1].final_loss is None and rows[1].step_time_s is None
     assert "steps done" in (rows[1].error or "")
@@ -552,14 +573,41 @@ def _fake_probe(slowdown: float, *, native: bool = True,
 
 # -- budget, timeouts, rows without a result --------------------------------------------------
 
+class _EventClock:
+    """The sweep's clock (its budget, each run's limit): it stands at 0 until `when()` holds,
+    then at `then`. A run times out on an event the test picks, not on the machine's speed."""
+
+    def __init__(self, when: object, then: float) -> None:
+        self.when, self.then = when, then
+
+    def monotonic(self) -> float:
+        return self.then if self.when() else 0.0  # type: ignore[operator]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+def _steps_in(path: Path, at_least: int) -> bool:
+    return path.exists() and path.read_text().count('"event": "step"') >= at_least
+
+
+def _use_clock(monkeypatch: pytest.MonkeyPatch, clock: _EventClock) -> None:
+    for module in (sweep_run, sweep_rounds, sweep_plan):
+        monkeypatch.setattr(module, "time", clock)
+
+
 def test_a_timed_out_row_shows_no_loss_and_the_spent_budget_leaves_rows_not_run(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = tmp_path / "slow.py"
     fake.write_text(SLOW_FAKE)  # O0 and O2 write 4 steps, O1 never ends
     spec = sweep.SweepSpec(script=fake, script_args=[], out=tmp_path / "out",
                            configs=sweep.build_configs(["O0", "O1", "O2"], ["bf16"],
                                                        autocast=False),
                            timeout_s=None, budget_s=sweep_plan.WRITE_S + 14.0)
+    # 14 s of budget: O0 ends on its own; O1's limit (10.5 s) passes once it has stepped,
+    # with 1 s left, too little to start O2
+    _use_clock(monkeypatch, _EventClock(
+        lambda: _steps_in(spec.out / "runs" / "O1-bf16.jsonl", 1), then=13.0))
     progress: list[str] = []
     rows = sweep.run_sweep(spec, progress=progress.append, launcher=_slow_launcher(fake))
     assert [(r.label, r.status) for r in rows] == [
@@ -729,15 +777,19 @@ def test_the_verdict_names_the_fastest_level_that_keeps_the_loss() -> None:
     assert verdict(rows).startswith("verdict: none: O0 (the fp32 baseline) did not finish")
 
 
-def test_a_run_stopped_after_its_last_step_is_complete(tmp_path: Path) -> None:
+def test_a_run_stopped_after_its_last_step_is_complete(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = tmp_path / "lingers.py"
     fake.write_text(SLOW_FAKE.replace('level = sys.argv[1]', 'level = sys.argv[1]\nimport atexit\n'
-                                      'atexit.register(time.sleep, 60)'))
+                                      'atexit.register(time.sleep, 600)'))
     spec = sweep.SweepSpec(script=fake, script_args=[], out=tmp_path / "out", steps=4,
                            configs=[SweepConfig("O0", None)], timeout_s=4.0)
+    # the limit passes once the last step is written, while the script lingers at exit
+    _use_clock(monkeypatch, _EventClock(
+        lambda: _steps_in(spec.out / "runs" / "O0.jsonl", 4), then=5.0))
     row = sweep.run_sweep(spec, launcher=_slow_launcher(fake))[0]
     assert (row.status, row.steps, row.error) == ("ok", 4, None)
-    assert row.final_loss == 1.0 and (row.wall_s or 99) < 30
+    assert row.final_loss == 1.0 and (row.wall_s or 999) < 300  # not waited out
 
 
 @pytest.mark.parametrize(("load", "threads"), [(0.1, None), (0.8, None), (1.2, "1"),

@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -75,19 +75,30 @@ def test_missing_compiler_is_named_and_can_be_skipped(
     assert _build.find_compiler()[0] == ("cl" if sys.platform == "win32" else "c++")
 
 
+def _heartbeats() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "ampx-build-heartbeat"]
+
+
 def test_heartbeat_reports_elapsed_time_and_objects(tmp_path: Path) -> None:
+    # event-driven: the object is written once a beat said "0 of 2", and the block ends once
+    # one said "1 of 2" (the waits only bound a failure), whatever the machine's load
     lines: list[str] = []
-    with _build._heartbeat(tmp_path, 2, lines.append, interval=0.05):
-        time.sleep(0.12)
+    said = {n: threading.Event() for n in (0, 1)}
+
+    def progress(line: str) -> None:
+        lines.append(line)
+        said[int(line.split(" of ")[0].split()[-1])].set()
+
+    with _build._heartbeat(tmp_path, 2, progress, interval=0.01):
+        assert said[0].wait(120)
         (tmp_path / "ampx.o").write_bytes(b"")
-        time.sleep(0.2)
+        assert said[1].wait(120)
     count = len(lines)
-    time.sleep(0.15)
-    assert len(lines) == count  # stopped with the block
+    assert not _heartbeats() and len(lines) == count  # stopped (joined) with the block
     assert lines[0].endswith("0 of 2 objects compiled")
     assert lines[-1].endswith("1 of 2 objects compiled")
     with _build._heartbeat(tmp_path, 2, None, interval=0.01):
-        time.sleep(0.05)  # no callback: no thread, nothing reported
+        assert not _heartbeats()  # no callback: no thread, nothing reported
 
 
 def test_publish_replaces_atomically(tmp_path: Path) -> None:

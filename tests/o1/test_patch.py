@@ -239,6 +239,107 @@ def test_decorators(half: torch.dtype) -> None:
     assert lower(x).dtype == torch.float32 and lower.__name__ == "lower"
 
 
+class _Methods:
+    """The decorators on every kind of callable a class holds, above and below the
+    descriptor decorators (apex's raised a TypeError for a decorated staticmethod)."""
+
+    def __init__(self) -> None:
+        self.bias = 0
+
+    @ampx.half_function
+    def method(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """A method."""
+        return x * scale
+
+    @ampx.half_function
+    @staticmethod
+    def static_above(x: torch.Tensor) -> torch.Tensor:
+        """Above @staticmethod."""
+        return x
+
+    @staticmethod
+    @ampx.half_function
+    def static_below(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @ampx.float_function
+    @classmethod
+    def class_above(cls, x: torch.Tensor) -> tuple[type, torch.Tensor]:
+        return cls, x
+
+    @classmethod
+    @ampx.float_function
+    def class_below(cls, x: torch.Tensor) -> tuple[type, torch.Tensor]:
+        return cls, x
+
+    @ampx.promote_function
+    @staticmethod
+    def promote_above(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, y
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_decorators_on_methods_classmethods_and_staticmethods(half: torch.dtype) -> None:
+    import inspect
+
+    obj, x, h = _Methods(), torch.rand(2), torch.rand(2, dtype=half)
+    calls = [lambda: obj.method(x, scale=2.0), lambda: obj.static_above(x),
+             lambda: _Methods.static_above(x), lambda: _Methods.static_below(x),
+             lambda: obj.static_below(x)]
+    assert all(c().dtype == torch.float32 for c in calls)  # outside O1: pass-through
+    _o1(half)
+    assert all(c().dtype == half for c in calls)
+    for bound in (obj.class_above, _Methods.class_above, obj.class_below, _Methods.class_below):
+        cls, out = bound(h)
+        assert cls is _Methods and out.dtype == torch.float32
+    assert [t.dtype for t in _Methods.promote_above(h, x)] == [torch.float32] * 2
+    assert torch.equal(obj.method(torch.ones(2), 2.0), torch.full((2,), 2.0, dtype=half))
+    with ampx.disable_casts():
+        assert obj.static_above(x).dtype == torch.float32
+    ampx.restore()
+    assert obj.static_above(x).dtype == torch.float32
+    # introspection is the function's own (annotations are strings in this file)
+    def names(fn: Any) -> list[str]:
+        return list(inspect.signature(fn).parameters)
+
+    assert names(_Methods.method) == ["self", "x", "scale"] and names(obj.method) == ["x", "scale"]
+    assert names(_Methods.static_above) == names(obj.static_below) == ["x"]
+    assert names(obj.class_above) == names(_Methods.class_below) == ["x"]
+    assert inspect.signature(obj.method).parameters["scale"].default == 1.0
+    assert inspect.signature(_Methods.static_above).return_annotation == "torch.Tensor"
+    assert (_Methods.method.__name__, _Methods.method.__doc__) == ("method", "A method.")
+    assert (_Methods.static_above.__name__, _Methods.static_above.__doc__) == (
+        "static_above", "Above @staticmethod.")
+    assert _Methods.method.__wrapped__ is vars(_Methods)["method"].__wrapped__
+    assert inspect.unwrap(_Methods.static_below).__qualname__ == "_Methods.static_below"
+
+
+def test_decorators_cast_inside_torch_compile() -> None:
+    """A decorated function, method, staticmethod or classmethod called from compiled code is
+    traced through: its cast is in the graph (fullgraph: no break), as in eager. (A wrapt
+    proxy is not: dynamo takes it for the function it reports and traces that, uncast.)"""
+    @ampx.half_function
+    def lower(a: torch.Tensor) -> torch.Tensor:
+        return a * 2
+
+    obj = _Methods()
+    calls = [lambda a: lower(a), lambda a: obj.method(a), lambda a: obj.static_above(a),
+             lambda a: _Methods.static_below(a), lambda a: _Methods.class_above(a)[1].half(),
+             lambda a: obj.class_below(a.half())[1]]
+    _o1(torch.bfloat16)
+    x = torch.rand(3)
+    try:
+        for call in calls:
+            want = call(x)
+            out = torch.compile(call, backend="eager", fullgraph=True)(x)
+            assert out.dtype == want.dtype and torch.equal(out, want)
+        assert [call(x).dtype for call in calls] == [torch.bfloat16] * 3 + [torch.bfloat16,
+                                                                             torch.float16,
+                                                                             torch.float32]
+    finally:
+        torch._dynamo.reset()
+
+
 # -- disable_casts ------------------------------------------------------------------------------
 
 def test_disable_casts_nests_and_survives_exceptions() -> None:

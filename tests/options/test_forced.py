@@ -132,3 +132,31 @@ def test_a_forced_dtype_other_than_the_scripts_is_logged_at_any_verbosity(
         "ampx run --dtype bfloat16: training in bfloat16. The script's initialize passed no dtype "
         "(apex's API trains float16), so its own flags and logs that say float16 (the HF "
         "Trainer's --fp16, for one) do not describe this run."]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_forced_dtype_carries_the_scripts_half_outputs_along(
+        level: str, caplog: pytest.LogCaptureFixture) -> None:
+    """apex scripts wrote cast_model_outputs=torch.float16 to mean "the half dtype": under
+    `ampx run --dtype bf16` the outputs come back bf16 (float16 would overflow past 65504),
+    with a note; float32 outputs, or a script that asked for bf16 itself, are left alone."""
+    forced = ForcedOptions.parse({"dtype": "bf16"})
+    assert forced.apply({"cast_model_outputs": torch.float16})["cast_model_outputs"] \
+        == torch.bfloat16
+    assert forced.apply({"cast_model_outputs": torch.float32})["cast_model_outputs"] \
+        == torch.float32
+    assert forced.apply({"dtype": "bf16", "cast_model_outputs": torch.float16})[
+        "cast_model_outputs"] == torch.float16  # the script chose both itself
+    frontend.set_forced_options({"dtype": "bf16"})
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight.fill_(3e4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level("WARNING", logger="ampx"):
+        model, opt = ampx.initialize(model, opt, opt_level=level, verbosity=0,
+                                     cast_model_outputs=torch.float16)
+    out = model(torch.ones(2, 4))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()  # 1.2e5: past fp16's max
+    (note,) = [r.getMessage() for r in caplog.records]
+    assert note.endswith("Its cast_model_outputs=torch.float16 is read as the half dtype: the "
+                         "model's outputs come back bfloat16.")

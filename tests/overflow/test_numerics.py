@@ -477,3 +477,58 @@ def test_sweep_numerics_lists_the_modules_at_risk(tmp_path, capsys):
     assert by_label["O1 fp16"]["numerics_at_risk"].startswith("block.up (overflow)")
     reports = sorted(p.parent.name for p in (out / "runs").rglob("numerics.json"))
     assert len(reports) == 1 and reports[0].endswith(".numerics")  # O1's only
+
+
+class _Counted(nn.Module):
+    """A Linear that counts how often its forward runs (a side effect the shadow must not add to
+    more than once per watched step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.fc(x)
+
+
+def _noisy_run(steps: int, **options):
+    """A model with dropout (functional and a module) and batch norm, a user forward hook on
+    every module; the final state, how often the hooks fired and the counted forward ran."""
+    torch.manual_seed(0)
+    block = nn.Sequential(_Counted(), nn.Dropout(0.3), nn.BatchNorm1d(D), nn.ReLU())
+    model = nn.Sequential(nn.Linear(D, D), block, nn.Dropout(0.2), nn.Linear(D, 1))
+    fired = [0]
+    for m in model.modules():
+        m.register_forward_hook(lambda *_: fired.__setitem__(0, fired[0] + 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampx.initialize(model, opt, opt_level="O1", verbosity=0, **options)
+    for _ in range(steps):
+        loss = torch.nn.functional.dropout(model(torch.randn(8, D)).float()).mean()
+        with ampx.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict(), fired[0], block[0].calls, torch.rand(3)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_shadow_changes_nothing_with_dropout_batchnorm_and_hooks(dtype):
+    """The fp32 shadow draws no random numbers of the run's (the RNG is forked), fires no
+    hook (user's or ampx's), leaves batch-norm statistics alone, and runs a module's forward
+    once per watched step: training, the hooks and the RNG afterwards are as with the report
+    off, bitwise."""
+    plain = _noisy_run(4, dtype=dtype)
+    watched = _noisy_run(4, dtype=dtype, numerics="report", numerics_every=1,
+                         numerics_shadow_every=1)
+    for (name, a), b in zip(plain[0].items(), watched[0].values()):
+        assert torch.equal(a, b), name
+    assert watched[1] == plain[1] == 4 * 10  # each of 10 modules' hook once a step
+    # the counted Linear: once a step, plus one fp32 re-run per module whose shadow runs it
+    # (itself, block, root), on each of the 4 watched steps
+    assert watched[2] == 4 + 4 * 3 and plain[2] == 4
+    assert torch.equal(plain[3], watched[3])  # the RNG's stream goes on as without the shadow
+    report = ampx.numerics_report()
+    # the shadow replays the forward's random draws: dropout is no "precision" issue
+    assert all(m.issue != "precision" for m in report.modules), report.table()

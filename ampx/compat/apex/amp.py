@@ -10,6 +10,7 @@ apex's private state that scripts reach into: `_amp_state.loss_scalers[i]` are t
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ...frontend import default_session, initialize, load_state_dict, scale_loss, state_dict
@@ -24,6 +25,8 @@ from ...o1.patch import (
 )
 from ...scaling.protocol import master_params
 from . import shell
+
+logger = logging.getLogger("ampx")
 
 __all__ = [
     "disable_casts",
@@ -51,18 +54,35 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
     the accelerator torch reports (CUDA, ...), or on CPU when there is none. Returns the
     installed patch handle (None when `enabled` is False). `loss_scale` and
     `enable_caching` are accepted for compatibility; the weight cache is always on.
+
+    Under ``ampx run``, the forced ``dtype`` is the patches' dtype, and a forced
+    ``enabled=False`` or ``-O O0`` installs nothing; other forced options need
+    `initialize` (a warning names them).
     """
     import torch
 
+    from ...frontend import forced_options
     from ...o1 import patch
+    from ...options.values import OptLevel
 
     del loss_scale, enable_caching
+    forced = dict(forced_options().options)
+    level = forced.pop("opt_level", None)
+    if forced.pop("enabled", True) is False or level == OptLevel.O0:
+        enabled = False
+    dtype = forced.pop("dtype", torch.float16)
+    if level not in (None, OptLevel.O0, OptLevel.O1):
+        forced["opt_level"] = level.value
+    if forced and enabled:
+        logger.warning("ampx run: amp.init() installs O1's casts only; the forced %s need "
+                       "amp.initialize(model, optimizer) and are not applied.",
+                       ", ".join(f"{k}={v!r}" for k, v in forced.items()))
     if not enabled:
         return None
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() \
         else None
     device = accelerator.type if accelerator is not None else "cpu"
-    return patch.activate(patch.CastConfig(dtype=torch.float16, device_types=frozenset({device}),
+    return patch.activate(patch.CastConfig(dtype=dtype, device_types=frozenset({device}),
                                            allow_banned=allow_banned, verbose=verbose))
 
 
