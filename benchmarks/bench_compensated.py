@@ -7,16 +7,19 @@ round (each round runs every configuration `--steps` times and keeps its median 
 the result is the median over `--rounds` rounds):
 
     native bf16+c       ampx._ext.compensated_adam_ (native): bf16 w and c, bf16 grads,
-                        float32 moments (`--state bf16`: bf16 moments)
-    reference bf16+c    the same through ampx._reference_compensated (pure torch)
+                        float32 moments
+    native bf16+c, bf16 m,v   the same with bf16 moments
+    reference bf16+c    the first through ampx._reference_compensated (pure torch)
     torch foreach bf16  torch.optim.AdamW(foreach=True) on plain bf16 parameters
     torch fused bf16    torch.optim.AdamW(fused=True) on plain bf16 parameters
     torch foreach fp32  torch.optim.AdamW(foreach=True) on float32 parameters
     torch fused fp32    torch.optim.AdamW(fused=True) on float32 parameters
 
-Ratios are against torch's fused fp32 step (the usual full-precision baseline) and torch's
-fused bf16 step. The 1-minute load average is printed before and after: on a shared machine
-quote it with the numbers.
+Times are the wall time and the process CPU time (all threads) of a step; the ratios are of
+CPU time, which other processes on a shared machine disturb far less than wall time with
+`--threads 1` (the default), against torch's fused fp32 step (the usual full-precision
+baseline) and torch's fused bf16 step. The 1-minute load average is printed before and
+after: on a shared machine quote it with the numbers.
 
 Memory: the peak of the bytes that torch's CPU allocator holds live during one step, above
 what was live before it (torch.profiler with profile_memory=True; allocations outside torch's
@@ -26,7 +29,7 @@ reads and writes the tensors in place and allocates no tensor, so its row is 0.
 Run::
 
     python benchmarks/bench_compensated.py [--rounds 5] [--steps 5] [--threads 1]
-        [--layers 4] [--state fp32|bf16]
+        [--layers 4]
 """
 
 from __future__ import annotations
@@ -81,13 +84,15 @@ def torch_adamw(params: list[torch.Tensor], dtype: torch.dtype, fused: bool) -> 
     return opt.step
 
 
-def step_time(step: Step, steps: int) -> float:
-    times = []
+def step_time(step: Step, steps: int) -> tuple[float, float]:
+    """Median wall time and median process CPU time of one step."""
+    wall, cpu = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        cpu.append(time.process_time() - start_cpu)
+        wall.append(time.perf_counter() - start)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def peak_bytes(step: Step) -> int:
@@ -111,7 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--state", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory probe")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -120,33 +124,34 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"the native extension is not active ({_ext.IMPORT_ERROR}): run "
                          "`python -m ampx build-ext` first")
     params = model_params(args.layers)
-    state = torch.float32 if args.state == "fp32" else torch.bfloat16
     configs: dict[str, Step] = {
-        "native bf16+c": compensated(params, state, _ext.compensated_adam_),
-        "reference bf16+c": compensated(params, state, spec.compensated_adam_),
+        "native bf16+c": compensated(params, torch.float32, _ext.compensated_adam_),
+        "native bf16+c, bf16 m,v": compensated(params, torch.bfloat16, _ext.compensated_adam_),
+        "reference bf16+c": compensated(params, torch.float32, spec.compensated_adam_),
         "torch foreach bf16": torch_adamw(params, torch.bfloat16, fused=False),
         "torch fused bf16": torch_adamw(params, torch.bfloat16, fused=True),
         "torch foreach fp32": torch_adamw(params, torch.float32, fused=False),
         "torch fused fp32": torch_adamw(params, torch.float32, fused=True),
     }
     numel = sum(p.numel() for p in params)
-    print(f"{len(params)} tensors, {numel:,} elements; threads {args.threads}; moments "
-          f"{args.state}; {args.rounds} rounds x {args.steps} steps; load before "
-          f"{os.getloadavg()[0]:.2f}")
+    print(f"{len(params)} tensors, {numel:,} elements; threads {args.threads}; "
+          f"{args.rounds} rounds x {args.steps} steps; load before {os.getloadavg()[0]:.2f}")
     for step in configs.values():  # warm-up (and the optimizers' state)
         step()
-    medians: dict[str, list[float]] = {name: [] for name in configs}
+    medians: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
     for _ in range(args.rounds):
         for name, step in configs.items():
             medians[name].append(step_time(step, args.steps))
-    result = {name: statistics.median(ts) for name, ts in medians.items()}
+    wall = {name: statistics.median(w for w, _ in ts) for name, ts in medians.items()}
+    cpu = {name: statistics.median(c for _, c in ts) for name, ts in medians.items()}
     memory = {} if args.no_memory else {name: peak_bytes(s) for name, s in configs.items()}
-    base32, base16 = result["torch fused fp32"], result["torch fused bf16"]
-    print(f"{'configuration':20} {'ms/step':>9} {'vs fused fp32':>14} {'vs fused bf16':>14} "
-          f"{'peak MiB':>9}")
-    for name, t in result.items():
+    print(f"{'configuration':24} {'wall ms':>8} {'CPU ms':>8} {'CPU vs fused fp32':>18} "
+          f"{'CPU vs fused bf16':>18} {'peak MiB':>9}")
+    for name in configs:
         mib = f"{memory[name] / 2**20:9.1f}" if memory else f"{'-':>9}"
-        print(f"{name:20} {t * 1e3:9.2f} {t / base32:13.2f}x {t / base16:13.2f}x {mib}")
+        print(f"{name:24} {wall[name] * 1e3:8.1f} {cpu[name] * 1e3:8.1f} "
+              f"{cpu[name] / cpu['torch fused fp32']:17.2f}x "
+              f"{cpu[name] / cpu['torch fused bf16']:17.2f}x {mib}")
     print(f"load after {os.getloadavg()[0]:.2f}")
     return 0
 
