@@ -237,16 +237,23 @@ class WeightCastCache:
         return self._aliased
 
     def note_data_access(self, param: torch.Tensor, alias: torch.Tensor | None) -> None:
-        """`param.data` was read (giving `alias`) or assigned (`alias` None): forget its casts.
+        """`param.data` was read (giving `alias`) or assigned (the tensor given): forget its
+        casts.
 
-        While `alias` lives, writes through it are invisible to the version check, so
-        `param` is not cached again until the alias is gone.
+        While `alias` lives (or, for a view such as `flat[:16].view(4, 4)`, the tensor it
+        views), writes through it are invisible to the version check, so `param` is not
+        cached again until it is gone.
         """
         key = id(param)
         for table in self._tables.values():
             table.pop(key, None)
         if alias is None or not cacheable(param):
             return
+        self._track(key, alias)
+        if alias._base is not None:
+            self._track(key, alias._base)
+
+    def _track(self, key: int, alias: torch.Tensor) -> None:
         self._aliased[key] = self._aliased.get(key, 0) + 1
         cache_ref = weakref.ref(self)
 
