@@ -337,3 +337,17 @@ def test_cache_lives_one_forward_plus_its_backward(half_dtype: torch.dtype) -> N
     assert (cache.misses, len(cache)) == (10, 0)
     ampx.restore()
     assert (dict(model._forward_pre_hooks), dict(model._forward_hooks)) == hooks
+
+
+def test_scripting_an_initialized_model_needs_restore(half_dtype: torch.dtype) -> None:
+    """TorchScript compiles a module's hooks and cannot compile the cache's lifetime hooks
+    (docs/compile.md): after `restore()` they are gone and the model scripts."""
+    class Net(nn.Linear):  # (a class of its own: TorchScript compiles a class once)
+        pass
+
+    lin = Net(4, 4)
+    _session(lin, half_dtype)
+    with pytest.raises(RuntimeError, match="forward_ends|forward_starts"):
+        torch.jit.script(lin)
+    ampx.restore()
+    assert torch.jit.script(lin)(torch.rand(2, 4)).dtype == torch.float32
