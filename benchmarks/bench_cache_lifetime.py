@@ -14,7 +14,8 @@ only for an O1 configuration's turn, as in `bench_step.py`):
 
 Two loops: `train` (zero_grad + forward + loss + backward through `scale_loss` + step) and
 `eval` (a `torch.no_grad()` forward of the model in eval mode). The table gives medians with
-spreads (25th-75th percentile) and the medians of the per-round ratios. Run::
+spreads (25th-75th percentile), the medians of the per-round ratios, and the weight casts
+one iteration makes (the cache's misses: deterministic where the times are not). Run::
 
     python benchmarks/bench_cache_lifetime.py [--reps 15] [--models mlp encoder conv]
 
@@ -111,6 +112,22 @@ class Config:
                 patch.deactivate()
 
 
+def casts_per_forward(config: Config, loop: str, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Weight casts made by the second of two iterations (deterministic, unlike the times)."""
+    assert config.o1 is not None
+    patch.activate(config.o1)
+    try:
+        run = getattr(config, loop)
+        run(x, y)
+        active = patch.active()
+        assert active is not None
+        before = active.cache.misses
+        run(x, y)
+        return active.cache.misses - before
+    finally:
+        patch.deactivate()
+
+
 def _spread(values: list[float], scale: float, fmt: str) -> str:
     q = statistics.quantiles(values, n=4)
     return f"{q[1] * scale:{fmt}} ({q[0] * scale:{fmt}}-{q[2] * scale:{fmt}})"
@@ -128,6 +145,7 @@ def measure(key: str, loop: str, dtype: torch.dtype, reps: int, inner: int) -> s
             elapsed = config.turn(loop, x, y, inner)
             if rep:
                 times[config.name].append(elapsed)
+    casts = {c.name: casts_per_forward(c, loop, x, y) for c in configs if c.o1 is not None}
     for config in configs:
         if config.amp is not None:
             config.amp.restore()
@@ -137,7 +155,7 @@ def measure(key: str, loop: str, dtype: torch.dtype, reps: int, inner: int) -> s
 
     return (f"| {label} | {loop} | " + " | ".join(_spread(times[n], 1e3, ".3f") for n in CONFIGS)
             + f" | {ratio('O1', 'autocast')} | {ratio('O1 old', 'autocast')} | "
-            f"{ratio('O1', 'O1 old')} |")
+            f"{ratio('O1', 'O1 old')} | {casts['O1']} / {casts['O1 old']} |")
 
 
 def main() -> None:
@@ -156,8 +174,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, ampx kernels {_ext.BACKEND}, {args.threads} threads, "
           f"bf16; load average before: {os.getloadavg()}")
     print("| model | loop | autocast ms | O1 ms | O1 old ms | O1/autocast | O1 old/autocast "
-          "| O1/O1 old |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| O1/O1 old | weight casts per iteration, O1 / O1 old |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for key in args.models:
         inner = args.inner or (10 if key == "mlp" else 2)
         for loop in args.loops:
