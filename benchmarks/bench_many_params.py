@@ -8,10 +8,12 @@ one O2 step within 2x plain torch's time, adding under 50 MiB.
 Two models of `--params` float32 parameters of `--size` elements (same values): plain torch
 (fp32, SGD) and ampx O2 (bf16, SGD, fp32 masters). Each round times, per configuration,
 `optimizer.step()` alone (`step`) and a whole training step (zero_grad + forward + backward
-through `scale_loss` + step: `train`), and the RSS peak that `optimizer.step()` adds above the
-RSS before it (`/proc/self/status` VmHWM, reset through `/proc/self/clear_refs` before each
-step). Rounds alternate the order of the configurations; the table gives medians, spreads
-(25th-75th percentile) and the median of the per-round O2/torch ratios. The kernel backend is
+through `scale_loss` + step: `train`). Rounds alternate the order of the configurations; the
+table gives medians, spreads (25th-75th percentile) and the median of the per-round O2/torch
+ratios. The memory a step adds is measured in a fresh process per configuration (memory freed
+by earlier steps would otherwise be reused unseen): the RSS peak of its first
+`optimizer.step()` above the RSS before it (`/proc/self/status` VmHWM, reset through
+`/proc/self/clear_refs`). The kernel backend is
 the reference unless `--backend native` (AMPX_DISABLE_EXT is set before ampx loads). Run::
 
     python benchmarks/bench_many_params.py [--params 10000] [--reps 7] [--backend reference]
@@ -25,6 +27,7 @@ import argparse
 import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -84,19 +87,24 @@ class Config:
         with self.amp.scale_loss(loss, self.opt) as scaled:
             scaled.backward()
 
-    def round(self) -> tuple[float, float, float]:
-        """(step s, added RSS peak MiB, whole training step s)."""
+    def step_adds(self) -> float:
+        """MiB the RSS peak of one `optimizer.step()` rises above the RSS before it."""
         self.backward()
         rss = _kib("VmRSS")
         _reset_peak()
+        self.opt.step()
+        return (_kib("VmHWM") - rss) / 1024
+
+    def round(self) -> tuple[float, float]:
+        """(step s, whole training step s)."""
+        self.backward()
         start = time.perf_counter()
         self.opt.step()
         step = time.perf_counter() - start
-        added = (_kib("VmHWM") - rss) / 1024
         start = time.perf_counter()
         self.backward()
         self.opt.step()
-        return step, added, time.perf_counter() - start
+        return step, time.perf_counter() - start
 
 
 def _spread(values: list[float], fmt: str) -> str:
@@ -110,31 +118,41 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=8)
     parser.add_argument("--reps", type=int, default=7, help="timed rounds")
     parser.add_argument("--backend", choices=("reference", "native"), default="reference")
+    parser.add_argument("--child", choices=("torch", "O2"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.backend == "reference":
         os.environ["AMPX_DISABLE_EXT"] = "1"
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from ampx import _ext
 
+    if args.child:  # one fresh process: the memory of its first step
+        print(f"{Config(args.child, args.params, args.size).step_adds():.1f}")
+        return
     print(f"torch {torch.__version__}, ampx kernels {_ext.BACKEND}, {args.params} parameters "
           f"of {args.size}, {torch.get_num_threads()} threads; load {os.getloadavg()}")
     if not _reset_peak():
         print("(cannot reset the RSS peak here: the added-memory column is an upper bound)")
+    added = {}
+    for name in ("torch", "O2"):
+        child = [sys.executable, __file__, "--child", name, "--params", str(args.params),
+                 "--size", str(args.size), "--backend", args.backend]
+        added[name] = subprocess.run(child, check=True, capture_output=True, text=True,
+                                     timeout=3600).stdout.split()[-1]
     configs = [Config("torch", args.params, args.size), Config("O2", args.params, args.size)]
     for config in configs:  # warm-up: optimizer state, masters in use
         config.round()
-    results: dict[str, list[tuple[float, float, float]]] = {c.name: [] for c in configs}
+    results: dict[str, list[tuple[float, float]]] = {c.name: [] for c in configs}
     for rep in range(args.reps):
         for config in configs if rep % 2 == 0 else configs[::-1]:
             results[config.name].append(config.round())
-    print("| config | step ms | step adds MiB | train step ms |")
+    print("| config | step ms | train step ms | first step adds MiB |")
     print("| --- | --- | --- | --- |")
     for name, rows in results.items():
-        step, added, train = zip(*rows)
+        step, train = zip(*rows)
         print(f"| {name} | {_spread([s * 1e3 for s in step], '.1f')} | "
-              f"{_spread(list(added), '.1f')} | {_spread([t * 1e3 for t in train], '.1f')} |")
+              f"{_spread([t * 1e3 for t in train], '.1f')} | {added[name]} |")
     torch_rows, o2_rows = results["torch"], results["O2"]
-    for label, i in (("step", 0), ("train step", 2)):
+    for label, i in (("step", 0), ("train step", 1)):
         ratios = [b[i] / a[i] for a, b in zip(torch_rows, o2_rows)]
         print(f"O2/torch {label}: {_spread(ratios, '.2f')}")
     print(f"load {os.getloadavg()}")
