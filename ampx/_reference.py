@@ -330,10 +330,10 @@ def copy_plain(src: list[torch.Tensor], dst: list[torch.Tensor]) -> bool:
     The reference's `ampx._C.copy_plain` (O2's master -> model copy of every step): every
     item exactly a `torch.Tensor` or `Parameter` of a kernel dtype, all on one device, each
     pair of one shape (or of one size, both contiguous), no inference tensor written;
-    anything else goes
-    `ampx._ext.copy_`'s general way, which raises the contract's errors. Pairs of one shape
-    correspond element by element in any layout, as the general path stages them. One check
-    and two detached aliases per pair, then one foreach copy per dtype pair.
+    anything else goes `ampx._ext.copy_`'s general way, which raises the contract's errors.
+    Pairs of one shape correspond element by element in any layout, as the general path
+    stages them. One check and two detached aliases per pair, then one foreach copy per
+    dtype pair (each destination's version counter moves once).
     """
     n = len(src)
     if n == 0 or len(dst) != n:

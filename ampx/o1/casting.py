@@ -133,7 +133,7 @@ def cacheable(t: torch.Tensor) -> bool:
 
 
 class WeightCastCache:
-    """Casts of parameters to a low-precision dtype, reused within one iteration.
+    """Casts of parameters to a low-precision dtype, reused within one forward (and backward).
 
     Entries are keyed by the parameter's identity (one table per target dtype), and are valid
     only while the parameter's version counter and storage are unchanged, so a weight changed
@@ -143,7 +143,9 @@ class WeightCastCache:
     `Tensor.data` property) drops the parameter's entries and keeps it out of the cache for
     as long as an alias taken during the session lives. An entry cast with autograd off is not
     served to a forward that needs gradients, and an entry made under `torch.inference_mode`
-    is not served outside it. `clear()` is called when an iteration ends (`scale_loss` exit).
+    is not served outside it. `clear()` is called when a forward of an initialized model
+    starts, when one without autograd ends (`o1.patch.forward_starts`/`forward_ends`), and by
+    `scale_loss`: writes the version counter cannot see are never served to a later forward.
 
     The hot path is `bind(dtype)`, a specialised closure the O1 wrappers call per tensor; it
     is only ever given tensors for which `cacheable` holds.
