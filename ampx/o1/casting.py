@@ -162,7 +162,9 @@ class WeightCastCache:
         self._tables: dict[torch.dtype, dict[int, tuple[torch.Tensor, int, int, torch.Tensor]]]
         self._tables = {}
         self._aliased: dict[int, int] = {}  # id(param) -> live `.data` aliases
-        self._refs: set[weakref.ref] = set()
+        # id(ref) -> ref (keeps each alias's weakref and its callback alive; a set would
+        # compare two live refs to one tensor with the tensor's `==`)
+        self._refs: dict[int, weakref.ref] = {}
         # [hits, misses] as int64s: the native O1 wrapper counts its hits in place.
         self._counts = array.array("q", [0, 0])
 
@@ -262,14 +264,15 @@ class WeightCastCache:
         def gone(ref: weakref.ref) -> None:
             cache = cache_ref()
             if cache is not None:
-                cache._refs.discard(ref)
+                cache._refs.pop(id(ref), None)
                 left = cache._aliased.get(key, 1) - 1
                 if left > 0:
                     cache._aliased[key] = left
                 else:
                     cache._aliased.pop(key, None)
 
-        self._refs.add(weakref.ref(alias, gone))
+        ref = weakref.ref(alias, gone)
+        self._refs[id(ref)] = ref
 
     def clear(self) -> None:
         """Drop every entry (the counters and the alias bookkeeping are kept)."""

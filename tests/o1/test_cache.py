@@ -351,3 +351,14 @@ def test_scripting_an_initialized_model_needs_restore(half_dtype: torch.dtype) -
         torch.jit.script(lin)
     ampx.restore()
     assert torch.jit.script(lin)(torch.rand(2, 4)).dtype == torch.float32
+
+
+def test_one_tensor_given_to_data_twice(half_dtype: torch.dtype) -> None:
+    """Two live weak references to one tensor are never compared (a tensor's `==`)."""
+    lin = nn.Linear(4, 4, bias=False)
+    _session(lin, half_dtype)
+    value = torch.rand(4, 4)
+    lin.weight.data = value
+    lin.weight.data = value
+    F.linear(torch.rand(2, 4), lin.weight)
+    assert len(_cache()) == 0  # `value` lives: writes through it are not seen
