@@ -347,7 +347,8 @@ def test_scripting_an_initialized_model_needs_restore(half_dtype: torch.dtype) -
 
     lin = Net(4, 4)
     _session(lin, half_dtype)
-    with pytest.raises(RuntimeError, match="forward_ends|forward_starts"):
+    # (the closures are refused first, naming the same ways out)
+    with pytest.raises(RuntimeError, match="forward_ends|forward_starts|cannot compile O1"):
         torch.jit.script(lin)
     ampx.restore()
     assert torch.jit.script(lin)(torch.rand(2, 4)).dtype == torch.float32
