@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import ampx
+from ampx.o1 import patch
 from ampx.overflow.numerics import NumericsMonitor, _read, _read_stacked, tensor_stats
 from ampx.overflow.numerics_stats import decode, measure
-from ampx.o1 import patch
 from ampx.registry import SESSIONS
 
 D = 16
