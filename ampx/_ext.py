@@ -382,7 +382,9 @@ def copy_(src: Tensors, dst: Tensors) -> None:
         device = src[0].device if src else torch.device("cpu")
         _impl(device).copy_(list(src), list(dst))
         return
-    src, dst = [_local(t) for t in src], [_local(t) for t in dst]
+    # detached aliases (same storage and version counter): the staging below records no
+    # autograd graph and writes a parameter that requires grad without `torch.no_grad()`
+    src, dst = [_local(t).detach() for t in src], [_local(t).detach() for t in dst]
     for device, idx in _by_device(src):
         staged = _Staged()
         pairs = [staged.pair(src[i], dst[i], keep=False) for i in idx]

@@ -235,8 +235,10 @@ def unscale_into_(
     _check_flags(
         "unscale_into_", "src", len(src), inv_scale, found_inf, per_tensor, src[0].device
     )
-    flat_src = [s.view(-1) for s in src]
-    flat_dst = [d.view(-1) for d in dst]
+    # detached aliases (same storage and version counter): autograd records nothing, even
+    # outside no_grad with inputs that require grad (gradients of a create_graph backward)
+    flat_src = [s.detach().view(-1) for s in src]
+    flat_dst = [d.detach().view(-1) for d in dst]
     # Stage float32(src) in float32 buffers: the fp32 destinations themselves when
     # overwriting, fresh buffers otherwise. Widening to float32 is exact.
     staged = [
@@ -308,14 +310,67 @@ def copy_(src: Tensors, dst: Tensors) -> None:
     if not src:
         return
     _check_pair("copy_", src, dst)
-    flat_src = [s.view(-1) for s in src]
-    # detached: writing model parameters needs no `torch.no_grad()` (as the native kernel)
+    # Detached aliases (same storage and version counter), as the native kernel writes:
+    # autograd records nothing and no `torch.no_grad()` is needed (whose `with` an interrupt
+    # can leave with grad mode off). torch runs step hooks outside the optimizer's no_grad,
+    # and O2's masters require grad: a recorded copy made one node per tensor, each saving
+    # the whole list (quadratic: 10k parameters took GBs and seconds).
+    flat_src = [s.detach().view(-1) for s in src]
     flat_dst = [d.detach().view(-1) for d in dst]
     groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for i, (s, d) in enumerate(zip(flat_src, flat_dst)):
         groups.setdefault((s.dtype, d.dtype), []).append(i)
     for idx in groups.values():
         torch._foreach_copy_([flat_dst[i] for i in idx], [flat_src[i] for i in idx])
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def copy_plain(src: list[torch.Tensor], dst: list[torch.Tensor]) -> bool:
+    """`copy_` of the usual lists in one pass, or False having touched nothing.
+
+    The reference's `ampx._C.copy_plain` (O2's master -> model copy of every step): every
+    item exactly a `torch.Tensor` or `Parameter` of a kernel dtype, all on one device, each
+    pair of one shape (or of one size, both contiguous), no inference tensor written;
+    anything else goes `ampx._ext.copy_`'s general way, which raises the contract's errors.
+    Pairs of one shape correspond element by element in any layout, as the general path
+    stages them. One check and two detached aliases per pair, then one foreach copy per
+    dtype pair (each destination's version counter moves once).
+    """
+    n = len(src)
+    if n == 0 or len(dst) != n:
+        return False
+    device = src[0].device
+    on_cpu = device.type == "cpu"
+    plain, kinds = _PLAIN_TYPES, _KERNEL_DTYPES
+    flat_src: list[torch.Tensor] = []
+    flat_dst: list[torch.Tensor] = []
+    pairs: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    for i, (s, d) in enumerate(zip(src, dst)):
+        if type(s) not in plain or type(d) not in plain or d.is_inference():
+            return False
+        key = (s.dtype, d.dtype)
+        if key not in pairs:
+            if key[0] not in kinds or key[1] not in kinds:
+                return False
+            pairs[key] = []
+        if not (s.is_cpu and d.is_cpu if on_cpu else s.device == device == d.device):
+            return False
+        if s.shape != d.shape:
+            if s.numel() != d.numel() or not (s.is_contiguous() and d.is_contiguous()):
+                return False
+            s, d = s.view(-1), d.view(-1)
+        # detached aliases, as in `copy_`: autograd records nothing
+        flat_src.append(s.detach())
+        flat_dst.append(d.detach())
+        pairs[key].append(i)
+    if len(pairs) == 1:
+        torch._foreach_copy_(flat_dst, flat_src)
+        return True
+    for idx in pairs.values():
+        torch._foreach_copy_([flat_dst[i] for i in idx], [flat_src[i] for i in idx])
+    return True
 
 
 def update_scale_(

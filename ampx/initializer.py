@@ -138,6 +138,7 @@ def prepare(inputs: Inputs, props: Properties, scalers: Sequence[Any], *, owner:
             casts.append(cast_model(
                 model, props.cast_model_type, keep_batchnorm_fp32=props.keep_batchnorm_fp32,
                 split_params=split, cast_outputs=props.cast_model_outputs, masters=masters,
+                release_casts=bool(props.patch_torch_functions),
             ))
             journal.record(casts[-1].undo)
         for opt in inputs.optimizers:

@@ -298,6 +298,7 @@ def cast_model(
     split_params: set[int],
     cast_outputs: torch.dtype | None,
     masters: MasterMap | None = None,
+    release_casts: bool = False,
 ) -> ModelCast:
     """Cast a model's floating parameters and buffers and install input/output hooks.
 
@@ -312,6 +313,8 @@ def cast_model(
         cast_outputs: Dtype of the forward outputs (None: no output cast).
         masters: The session's master map (shared by its models and optimizers, so masters
             added later by `add_param_group` are saved and loaded too); a new one if None.
+        release_casts: O1: bound the weight-cast cache to one forward of the model (plus
+            its backward) with `ampx.o1.patch`'s `forward_starts`/`forward_ends` hooks.
 
     Returns:
         The `ModelCast` record; split parameters are added to its master map.
@@ -334,6 +337,13 @@ def cast_model(
                     record.handles.append(module.register_load_state_dict_post_hook(loaded))
         if cast_outputs is not None:
             record.handles.append(model.register_forward_hook(OutputCast(cast_outputs)))
+        if release_casts:  # first in, last out: the model's own hooks run inside the lifetime
+            from .o1 import patch  # (an O1 session has it loaded)
+
+            record.handles.append(model.register_forward_pre_hook(patch.forward_starts,
+                                                                  prepend=True))
+            record.handles.append(model.register_forward_hook(patch.forward_ends,
+                                                              always_call=True))
     except BaseException:
         record.undo()
         raise

@@ -219,12 +219,16 @@ void copy_(const TensorList& src, const TensorList& dst) {
   check_pair(api, "src", src, "dst", dst);
   const at::Device ref = src[0].device();
   if (ref.is_cpu()) {
+    check_writable(dst);
     copy_cpu(src, dst);
+    bump_versions(dst);
     return;
   }
 #ifdef AMPX_WITH_CUDA
   if (ref.is_cuda()) {
+    check_writable(dst);
     copy_cuda(src, dst);
+    bump_versions(dst);
     return;
   }
 #endif

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/InferenceMode.h>
 
 #include <cstdint>
 #include <optional>
@@ -35,6 +36,21 @@ inline Kind kind_of(const at::Tensor& t) {
 
 using TensorList = std::vector<at::Tensor>;
 using OptTensor = std::optional<at::Tensor>;
+
+// A kernel that writes destinations through raw pointers moves each one's version counter
+// once, as a torch in-place op does: autograd's "modified by an inplace operation" check on a
+// saved tensor and O1's weight-cast cache both read it. `check_writable` runs before any
+// write: an inference tensor outside InferenceMode is refused with torch's own error (its
+// counter's `bump` raises it), as the reference's in-place foreach op refuses it.
+inline void check_writable(const std::vector<at::Tensor>& dst) {
+  if (c10::InferenceMode::is_enabled()) return;
+  for (const auto& d : dst) {
+    if (d.is_inference()) d.unsafeGetTensorImpl()->bump_version();  // throws
+  }
+}
+inline void bump_versions(const std::vector<at::Tensor>& dst) {
+  for (const auto& d : dst) d.unsafeGetTensorImpl()->bump_version();
+}
 
 // Parameters of update_scale_, already converted the way the contract says:
 // factors and bounds are rounded to float32 before any arithmetic.

@@ -461,8 +461,9 @@ void assign(const py::tuple& triples) {
 // `copy_` for the usual lists (the O2 master -> model copy of every step): every pair dense,
 // contiguous, of a kernel dtype, equal in size, all on one device, plain tensors or
 // Parameters (no DTensor or other Python-dispatched tensor: those need `_ext.copy_`'s local
-// shards). Copies and returns true, or returns false having touched nothing, and the caller
-// takes `_ext.copy_`'s general path (per-pair staging in Python).
+// shards). Copies, moves each destination's version counter, and returns true, or returns
+// false having touched nothing, and the caller takes `_ext.copy_`'s general path (per-pair
+// staging in Python).
 bool copy_plain(const py::list& src, const py::list& dst) {
   const Py_ssize_t n = PyList_GET_SIZE(src.ptr());
   if (n == 0 || PyList_GET_SIZE(dst.ptr()) != n) return false;
@@ -484,19 +485,20 @@ bool copy_plain(const py::list& src, const py::list& dst) {
     d.push_back(THPVariable_Unpack(PyList_GET_ITEM(dst.ptr(), i)));
     if (s.back().numel() != d.back().numel()) return false;
   }
+  if (!device->is_cpu() && !device->is_cuda()) return false;
+  check_writable(d);
+  py::gil_scoped_release nogil;
   if (device->is_cpu()) {
-    py::gil_scoped_release nogil;
     copy_cpu(s, d);
-    return true;
-  }
+  } else {
 #ifdef AMPX_WITH_CUDA
-  if (device->is_cuda()) {
-    py::gil_scoped_release nogil;
     copy_cuda(s, d);
-    return true;
-  }
+#else
+    return false;
 #endif
-  return false;
+  }
+  bump_versions(d);  // one per parameter, as an in-place op (ampx.h)
+  return true;
 }
 
 // `p.grad = None` for every parameter of `params`, in one call under the GIL (the O2 step

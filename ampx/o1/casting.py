@@ -133,7 +133,7 @@ def cacheable(t: torch.Tensor) -> bool:
 
 
 class WeightCastCache:
-    """Casts of parameters to a low-precision dtype, reused within one iteration.
+    """Casts of parameters to a low-precision dtype, reused within one forward (and backward).
 
     Entries are keyed by the parameter's identity (one table per target dtype), and are valid
     only while the parameter's version counter and storage are unchanged, so a weight changed
@@ -143,7 +143,9 @@ class WeightCastCache:
     `Tensor.data` property) drops the parameter's entries and keeps it out of the cache for
     as long as an alias taken during the session lives. An entry cast with autograd off is not
     served to a forward that needs gradients, and an entry made under `torch.inference_mode`
-    is not served outside it. `clear()` is called when an iteration ends (`scale_loss` exit).
+    is not served outside it. `clear()` is called when a forward of an initialized model
+    starts, when one without autograd ends (`o1.patch.forward_starts`/`forward_ends`), and by
+    `scale_loss`: writes the version counter cannot see are never served to a later forward.
 
     The hot path is `bind(dtype)`, a specialised closure the O1 wrappers call per tensor; it
     is only ever given tensors for which `cacheable` holds.
@@ -160,7 +162,9 @@ class WeightCastCache:
         self._tables: dict[torch.dtype, dict[int, tuple[torch.Tensor, int, int, torch.Tensor]]]
         self._tables = {}
         self._aliased: dict[int, int] = {}  # id(param) -> live `.data` aliases
-        self._refs: set[weakref.ref] = set()
+        # id(ref) -> ref (keeps each alias's weakref and its callback alive; a set would
+        # compare two live refs to one tensor with the tensor's `==`)
+        self._refs: dict[int, weakref.ref] = {}
         # [hits, misses] as int64s: the native O1 wrapper counts its hits in place.
         self._counts = array.array("q", [0, 0])
 
@@ -237,30 +241,38 @@ class WeightCastCache:
         return self._aliased
 
     def note_data_access(self, param: torch.Tensor, alias: torch.Tensor | None) -> None:
-        """`param.data` was read (giving `alias`) or assigned (`alias` None): forget its casts.
+        """`param.data` was read (giving `alias`) or assigned (the tensor given): forget its
+        casts.
 
-        While `alias` lives, writes through it are invisible to the version check, so
-        `param` is not cached again until the alias is gone.
+        While `alias` lives (or, for a view such as `flat[:16].view(4, 4)`, the tensor it
+        views), writes through it are invisible to the version check, so `param` is not
+        cached again until it is gone.
         """
         key = id(param)
         for table in self._tables.values():
             table.pop(key, None)
         if alias is None or not cacheable(param):
             return
+        self._track(key, alias)
+        if alias._base is not None:
+            self._track(key, alias._base)
+
+    def _track(self, key: int, alias: torch.Tensor) -> None:
         self._aliased[key] = self._aliased.get(key, 0) + 1
         cache_ref = weakref.ref(self)
 
         def gone(ref: weakref.ref) -> None:
             cache = cache_ref()
             if cache is not None:
-                cache._refs.discard(ref)
+                cache._refs.pop(id(ref), None)
                 left = cache._aliased.get(key, 1) - 1
                 if left > 0:
                     cache._aliased[key] = left
                 else:
                     cache._aliased.pop(key, None)
 
-        self._refs.add(weakref.ref(alias, gone))
+        ref = weakref.ref(alias, gone)
+        self._refs[id(ref)] = ref
 
     def clear(self) -> None:
         """Drop every entry (the counters and the alias bookkeeping are kept)."""

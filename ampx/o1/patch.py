@@ -36,6 +36,8 @@ __all__ = [
     "deactivate",
     "disable_casts",
     "float_function",
+    "forward_ends",
+    "forward_starts",
     "half_function",
     "promote_function",
     "register_float_function",
@@ -239,8 +241,8 @@ def _data_property(session: O1Patches) -> property:
 
     def data_set(self: torch.Tensor, value: torch.Tensor) -> None:
         put(self, value)
-        if session.live:
-            note(self, None)
+        if session.live:  # `value` (and what it views) now alias `self` too
+            note(self, value if isinstance(value, torch.Tensor) else None)
 
     return property(data_get, data_set, doc=descriptor.__doc__)
 
@@ -311,6 +313,30 @@ def clear_cache() -> None:
     """Forget the cast weights (called when an iteration ends)."""
     active = PATCHES.active
     if active is not None:
+        active.caster.cache.clear()
+
+
+# The weight-cast cache's lifetime (the two hooks `ampx.model.cast_model` puts on each model
+# of an O1 session): one forward of the model, plus its backward. A write the version counter
+# cannot see (numpy, dlpack, storage copies, `set_` onto the storage, another process through
+# shared memory, a tensor given to `param.data`) is then never served across forwards, as
+# autocast's cache lives one region. Module-level functions: a deep copy or a pickle of the
+# model keeps them, and they reach whichever session is active when they run.
+
+def forward_starts(module: torch.nn.Module, args: Any) -> None:
+    """Forward pre-hook: the forward starts with no cast weights (casts made since the last
+    forward or `scale_loss` may be stale)."""
+    active = PATCHES.active
+    if active is not None and not torch.compiler.is_compiling():
+        active.caster.cache.clear()
+
+
+def forward_ends(module: torch.nn.Module, args: Any, output: Any) -> None:
+    """Forward hook (also on an exception): a forward without autograd (no_grad, inference)
+    has no backward to share its casts with, so they go now; a training forward's stay for
+    its backward until `scale_loss` (or the next forward)."""
+    active = PATCHES.active
+    if active is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         active.caster.cache.clear()
 
 

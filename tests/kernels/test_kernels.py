@@ -369,6 +369,67 @@ def test_copy_plain_takes_the_usual_lists_and_leaves_anything_else_untouched() -
     assert torch.equal(d, s)
 
 
+def _plain(impl: Any) -> Callable[..., bool]:
+    return impl.mod.copy_plain if isinstance(impl, Native) else impl.copy_plain
+
+
+def test_copy_writes_like_an_inplace_op(impl: Any) -> None:
+    """`copy_` and `copy_plain` move each destination's version counter once (as an in-place
+    op: autograd's saved-tensor check and O1's weight cache read it), record no autograd graph
+    from sources that require grad (O2's masters, outside the optimizer's no_grad), and write
+    a Parameter that requires grad without `torch.no_grad()`."""
+    src = [torch.randn(3, requires_grad=True), torch.randn(2, 2, requires_grad=True),
+           torch.randn(4)]
+    dst = [torch.nn.Parameter(torch.zeros(3, dtype=BF16)), torch.zeros(2, 2, dtype=F16),
+           torch.zeros(4)]
+    for copy in (impl.copy_, _plain(impl)):
+        before = [d._version for d in dst]
+        assert copy(src, dst) in (None, True)
+        assert [d._version - v for d, v in zip(dst, before)] == [1, 1, 1]
+        assert all(d.grad_fn is None for d in dst) and dst[0].is_leaf
+        assert_lists_same(dst, [s.detach().to(d.dtype) for s, d in zip(src, dst)])
+    with torch.inference_mode():
+        frozen = torch.zeros(3)
+    with pytest.raises(RuntimeError, match="inference tensor outside InferenceMode"):
+        impl.copy_([torch.ones(3)], [frozen])
+
+
+def test_reference_copy_plain_takes_the_usual_lists_and_leaves_anything_else_untouched(
+        ) -> None:
+    """The reference's `copy_plain` (`_ext.copy_`'s one pass without the extension): `copy_`'s
+    values for plain tensors of one shape in any layout, or of one size when contiguous;
+    anything else returns False before anything is written."""
+    src = make("several", F32, scale=1e5) + [torch.randn(3, 4).to(BF16), torch.randn(4, 3)]
+    dst = [torch.zeros(t.shape, dtype=d) for t, d in zip(src, [F16, BF16] * len(src))]
+    dst[-1] = torch.zeros(4, 6, dtype=F16)[:, ::2]  # one shape, strided: element by element
+    ref = [t.clone() for t in dst]
+    _reference.copy_(src[:-1], ref[:-1])
+    assert _reference.copy_plain(src, dst) is True
+    assert_lists_same(dst[:-1], ref[:-1])
+    assert torch.equal(dst[-1], src[-1].to(F16))
+    flat = torch.zeros(12)
+    assert _reference.copy_plain([src[-1]], [flat]) is True  # one size, contiguous
+    assert torch.equal(flat, src[-1].view(-1))
+    with torch.inference_mode():
+        frozen = torch.zeros(5)
+    odd = {
+        "float64": (torch.randn(5, dtype=torch.float64), torch.zeros(5)),
+        "sizes differ": (torch.randn(5), torch.zeros(6)),
+        "strided, shapes differ": (torch.randn(6), torch.zeros(3, 4)[:, ::2]),
+        "another device": (torch.randn(5), torch.zeros(5, device="meta")),
+        "a subclass": (torch.randn(5), torch.zeros(5).as_subclass(_Sub)),
+        "an inference tensor": (torch.randn(5), frozen),
+    }
+    for name, (s, d) in odd.items():
+        sentinel = torch.full((7,), 3.0)
+        assert _reference.copy_plain([torch.ones(7), s], [sentinel, d]) is False, name
+        assert torch.equal(sentinel, torch.full((7,), 3.0)), name  # nothing written
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
 def test_drop_grads_sets_every_gradient_to_none() -> None:
     params = [torch.nn.Parameter(torch.randn(3)) for _ in range(4)]
     for p in params[:3]:

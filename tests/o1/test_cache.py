@@ -1,8 +1,10 @@
-"""The per-iteration weight-cast cache: one cast per parameter per iteration, never stale."""
+"""The weight-cast cache: one cast per parameter per forward (plus its backward), never stale."""
 
 from __future__ import annotations
 
 import copy
+import multiprocessing
+from typing import Callable
 
 import pytest
 import torch
@@ -52,10 +54,10 @@ def test_inplace_update_forces_a_recast(half_dtype: torch.dtype) -> None:
     _session(lin, half_dtype)
     cache = _cache()
     x = torch.rand(2, 4)
-    first = lin(x)
+    first = F.linear(x, lin.weight, lin.bias)  # (no forward of the model: one cache life)
     with torch.no_grad():
         lin.weight.add_(1.0)
-    second = lin(x)
+    second = F.linear(x, lin.weight, lin.bias)
     assert cache.misses == 3  # weight, bias, then the updated weight again
     expected = F.linear(x.to(half_dtype), lin.weight.to(half_dtype), lin.bias.to(half_dtype))
     torch.testing.assert_close(second, expected)
@@ -175,13 +177,13 @@ def test_long_lived_data_alias_keeps_the_parameter_out_of_the_cache(
     alias = lin.weight.data  # held, written later
     x = torch.rand(2, 4)
     with torch.no_grad():
-        lin(x)
+        F.linear(x, lin.weight)  # (outside a forward of the model: no forward ends)
         alias.zero_()
-        assert torch.count_nonzero(lin(x)) == 0
+        assert torch.count_nonzero(F.linear(x, lin.weight)) == 0
     assert len(cache) == 0
     del alias  # gone: cached again
     with torch.no_grad():
-        lin(x)
+        F.linear(x, lin.weight)
     assert len(cache) == 1
 
 
@@ -212,3 +214,152 @@ def test_parameters_the_lists_do_not_lower_are_never_cast_or_cached(half_dtype: 
     assert other.half_cast()(cpu_weight) is cpu_weight  # not a device this session casts
     assert len(other.cache) == 0
     ampx.restore()
+
+
+# -- writes the version counter cannot see (issue 39 item 5) ----------------------------------
+#
+# The cache's lifetime is one forward of an initialized model plus its backward: it is emptied
+# when the forward starts and, without autograd, when it ends. So no write between two forwards
+# is served stale, whatever wrote it. Each writer zeroes the weight in place.
+
+def _by_numpy(lin: nn.Linear) -> None:
+    lin.weight.detach().numpy()[:] = 0.0
+
+
+def _by_dlpack(lin: nn.Linear) -> None:
+    torch.from_dlpack(lin.weight.detach()).zero_()
+
+
+def _by_storage_copy(lin: nn.Linear) -> None:
+    lin.weight.untyped_storage().copy_(torch.zeros_like(lin.weight).untyped_storage())
+
+
+def _by_set(lin: nn.Linear) -> None:
+    torch.empty(0).set_(lin.weight.untyped_storage(), 0, lin.weight.shape).zero_()
+
+
+_WRITERS: dict[str, Callable[[nn.Linear], None]] = {
+    "numpy": _by_numpy, "dlpack": _by_dlpack, "storage_copy": _by_storage_copy,
+    "set_": _by_set, "data_alias": lambda lin: None,  # (the flat tensor below is written)
+}
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "grad"])
+@pytest.mark.parametrize("write", list(_WRITERS))
+def test_writes_the_version_counter_misses_are_never_served_stale(
+        write: str, mode: str, half_dtype: torch.dtype) -> None:
+    """An evaluation loop (or training forwards) with the weights written between forwards
+    through numpy, dlpack, a storage copy, `set_` onto the storage, or a tensor given to
+    `param.data` (issue 39's repro): each forward computes with the weights as they are.
+    Before, the cache served the first forward's cast for good (it was dropped only at
+    `scale_loss`)."""
+    lin = nn.Linear(4, 4)
+    _session(lin, half_dtype)
+    flat = torch.rand(16)
+    if write == "data_alias":
+        lin.weight.data = flat.view(4, 4)
+    x = torch.rand(2, 4)
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+               "grad": torch.enable_grad}[mode]
+    with context():
+        first = lin(x)
+    with torch.no_grad():
+        lin.bias.zero_()  # (seen by the version counter)
+    _WRITERS[write](lin)
+    flat.zero_()
+    with context():
+        second = lin(x)
+    assert torch.count_nonzero(first) > 0
+    assert torch.count_nonzero(second) == 0, "a stale cast was served"
+
+
+def _zero_in_child(weight: torch.Tensor) -> None:  # (runs in a forked process)
+    weight.detach().zero_()
+
+
+def test_a_shared_memory_model_written_by_another_process_is_never_served_stale(
+        half_dtype: torch.dtype) -> None:
+    """Hogwild: another process trains a `share_memory()` model; this one evaluates it."""
+    lin = nn.Linear(4, 4, bias=False).share_memory()
+    _session(lin, half_dtype)
+    x = torch.rand(2, 4)
+    with torch.no_grad():
+        assert torch.count_nonzero(lin(x)) > 0
+    child = multiprocessing.get_context("fork").Process(target=_zero_in_child,
+                                                        args=(lin.weight,))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0
+    with torch.no_grad():
+        assert torch.count_nonzero(lin(x)) == 0
+
+
+def test_a_tensor_given_to_data_keeps_the_parameter_uncached_while_it_lives(
+        half_dtype: torch.dtype) -> None:
+    """`p.data = flat[...]`: writes through `flat` are invisible to `p`'s version counter, so
+    `p` is cast afresh at every use (outside a forward of the model too) while `flat` lives."""
+    lin = nn.Linear(4, 4, bias=False)
+    _session(lin, half_dtype)
+    cache = _cache()
+    flat = torch.rand(32)
+    lin.weight.data = flat[:16].view(4, 4)
+    x = torch.rand(2, 4)
+    assert torch.count_nonzero(F.linear(x, lin.weight)) > 0
+    flat.zero_()
+    assert torch.count_nonzero(F.linear(x, lin.weight)) == 0
+    assert len(cache) == 0
+    del flat  # gone: cached again
+    F.linear(x, lin.weight)
+    assert len(cache) == 1
+
+
+def test_cache_lives_one_forward_plus_its_backward(half_dtype: torch.dtype) -> None:
+    """A training forward's casts stay for its backward (a weight used twice is cast once),
+    until `scale_loss` or the next forward; a forward without autograd lets them go at its end.
+    The hooks come off with `restore()`."""
+    model = Shared()
+    hooks = (dict(model._forward_pre_hooks), dict(model._forward_hooks))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = _session(model, half_dtype, opt)  # type: ignore[misc]
+    cache = _cache()
+    x = torch.rand(2, 8)
+    for step in range(1, 3):
+        loss = model(x).float().sum()
+        assert (cache.misses, len(cache)) == (2 * step, 2)  # weight and bias, once each
+        with ampx.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    model(x)
+    model(x)  # the next forward starts afresh
+    assert (cache.misses, len(cache)) == (8, 2)
+    with torch.no_grad():
+        model(x)
+    assert (cache.misses, len(cache)) == (10, 0)
+    ampx.restore()
+    assert (dict(model._forward_pre_hooks), dict(model._forward_hooks)) == hooks
+
+
+def test_scripting_an_initialized_model_needs_restore(half_dtype: torch.dtype) -> None:
+    """TorchScript compiles a module's hooks and cannot compile the cache's lifetime hooks
+    (docs/compile.md): after `restore()` they are gone and the model scripts."""
+    class Net(nn.Linear):  # (a class of its own: TorchScript compiles a class once)
+        pass
+
+    lin = Net(4, 4)
+    _session(lin, half_dtype)
+    # (the closures are refused first, naming the same ways out)
+    with pytest.raises(RuntimeError, match="forward_ends|forward_starts|cannot compile O1"):
+        torch.jit.script(lin)
+    ampx.restore()
+    assert torch.jit.script(lin)(torch.rand(2, 4)).dtype == torch.float32
+
+
+def test_one_tensor_given_to_data_twice(half_dtype: torch.dtype) -> None:
+    """Two live weak references to one tensor are never compared (a tensor's `==`)."""
+    lin = nn.Linear(4, 4, bias=False)
+    _session(lin, half_dtype)
+    value = torch.rand(4, 4)
+    lin.weight.data = value
+    lin.weight.data = value
+    F.linear(torch.rand(2, 4), lin.weight)
+    assert len(_cache()) == 0  # `value` lives: writes through it are not seen

@@ -93,14 +93,29 @@ def test_half_input_and_fp32_hidden_state_are_accepted(half_dtype: torch.dtype) 
     assert out.dtype == half_dtype and h.dtype == half_dtype
 
 
-def test_weights_are_cast_once_per_iteration(half_dtype: torch.dtype) -> None:
-    lstm = nn.LSTM(6, 5)
-    ampx.initialize(lstm, opt_level="O1", dtype=half_dtype, verbosity=0)
+class _TwoChunks(nn.Module):
+    """One forward that runs its LSTM over two chunks of the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, state = self.lstm(x[:1])
+        return self.lstm(x[1:], state)[0]
+
+
+def test_weights_are_cast_once_per_forward(half_dtype: torch.dtype) -> None:
+    """The weight cache lives one forward of the initialized model (plus its backward):
+    the second chunk reuses the first's casts; the next forward casts afresh."""
+    model = _TwoChunks()
+    ampx.initialize(model, opt_level="O1", dtype=half_dtype, verbosity=0)
     cache = patch.active().cache  # type: ignore[union-attr]
     x = torch.randn(2, 1, 6)
-    lstm(x)
-    lstm(x)
+    model(x)
     assert cache.misses == 4 and cache.hits == 4
+    model(x)
+    assert cache.misses == 8 and cache.hits == 8
 
 
 def test_rnn_without_o1_is_untouched() -> None:

@@ -155,3 +155,64 @@ def test_state_dict_before_first_use_does_not_stop_the_follow(half_dtype: torch.
     assert torch.equal(model.state_dict()["0.weight"], value.float())
     _step(model, opt)
     assert torch.equal(ampx.master_params(opt)[0], value.float())
+
+
+def test_the_step_copy_invalidates_graphs_that_saved_the_half_weights(
+        backend: str, half_dtype: torch.dtype) -> None:
+    """The master -> model copy writes the model's Parameters as an in-place op does: a graph
+    that saved them before `step` refuses to backward after it, as plain torch's (issue 39
+    item 3: the native copy wrote through raw pointers and left the version counters be, so
+    such a backward mixed the new weights with the old activations)."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampx.initialize(model, opt, opt_level="O2", dtype=half_dtype, verbosity=0)
+    _step(model, opt)
+    held = model(torch.randn(3, 4)).float().pow(2).sum()  # saves the half weights
+    before = [p._version for p in model.parameters()]
+    _step(model, opt, seed=2)
+    assert all(p._version > v for p, v in zip(model.parameters(), before))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        held.backward()
+
+
+class _GraphWatch(torch.overrides.TorchFunctionMode):
+    """The torch calls that left a tensor with an autograd node among their arguments or
+    results (in-place calls leave it on their arguments)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recorded: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        stack = [args, kwargs or {}, out]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, torch.Tensor):
+                if value.grad_fn is not None:
+                    self.recorded.append(getattr(func, "__name__", repr(func)))
+            elif isinstance(value, (list, tuple)):
+                stack.extend(value)
+            elif isinstance(value, dict):
+                stack.extend(value.values())
+        return out
+
+
+def test_the_step_records_no_autograd_graph(backend: str, half_dtype: torch.dtype) -> None:
+    """torch runs step hooks outside the optimizer's `no_grad`, and the masters require grad:
+    ampx's part of `step` records nothing (issue 39 item 4: the reference copy recorded one
+    node per tensor, each saving the whole list, so 10k parameters took GBs and seconds;
+    `benchmarks/bench_many_params.py` measures it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(8)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ampx.initialize(model, opt, opt_level="O2", dtype=half_dtype, verbosity=0,
+                                 loss_scale=128.0)  # the step runs (is not skipped)
+    with ampx.scale_loss(model(torch.randn(2, 3)).float().sum(), opt) as scaled:
+        scaled.backward()
+    masters = [p for group in opt.param_groups for p in group["params"]]
+    with _GraphWatch() as watch:
+        opt.step()
+    assert watch.recorded == []
+    for master, param in zip(masters, model.parameters()):
+        assert param.is_leaf and torch.equal(param, master.detach().to(half_dtype))
