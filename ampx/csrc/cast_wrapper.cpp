@@ -7,12 +7,14 @@
 // cannot handle exactly as the closure would (while compiling, under a TorchFunctionMode, a
 // tensor or container subclass or an fx Proxy among the arguments, an error to raise, the RNN
 // input check) is handed to that closure unchanged, so results are always the closure's. The
-// entry here makes the closure's checks in its order (an explicit `out=`, which runs the
-// original as written; session.live, compiling, the casts-disabled
-// ContextVar that ampx/o1/regions.py sets, read with PyContextVar_Get and truth-tested like
-// the closure does (a step's StepScope answered here when its cached frame calls: in_step),
-// a TorchFunctionMode), then hands the call to apply_rule in
-// cast_rules.cpp, which walks the arguments and casts them.
+// entry here makes the closure's checks (an explicit `out=`, which runs the original as
+// written; then, in eager code, a running optimizer step, whose StepScope is tested here
+// exactly as StepScope.running tests it, so the optimizer's update loop calls the original
+// without any Python: the closure would call it whatever else it found; then in the
+// closure's order session.live, compiling, the casts-disabled ContextVar that
+// ampx/o1/regions.py sets, read with PyContextVar_Get and truth-tested like the closure
+// does, a TorchFunctionMode), then hands the call to apply_rule in cast_rules.cpp, which
+// walks the arguments and casts them.
 //
 // ampx/o1/wrappers.py subclasses the type in Python with a Python `__call__` (the closure),
 // which dynamo inlines, then `_seal_cast_wrapper` puts this file's call slot back on that
@@ -54,32 +56,64 @@ bool explicit_out(PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   return false;
 }
 
-// StepScope.running's first tests, natively: the caller (or its caller) is the frame the
-// scope found above its step. That frame runs, so the step's frame below it does too: casts
-// are off.
-// Anything else (not a scope, no cached frame yet, another frame) is StepScope.__bool__'s.
-bool in_step(PyObject* value) {
-  if (Py_TYPE(value) != G.step_scope) {
-    return false;
-  }
-  PyFrameObject* frame = PyEval_GetFrame();  // borrowed: the Python code calling the wrapper
+// The slot of a StepScope `scope` at `offset` (borrowed; nullptr when unset).
+PyObject*& scope_slot(PyObject* scope, Py_ssize_t offset) {
+  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(scope) + offset);
+}
+
+// StepScope.running(frame), natively, for `frame` the Python code calling the wrapper (what
+// StepScope.__bool__ reads as sys._getframe(1)): the same tests in the same order, the same
+// walk down the callers, the same `_below` written. 1: the step runs (casts off), 0: its frame
+// is gone (StepScope.__bool__ then puts the value of before the step back), -1: error.
+int running(PyObject* scope) {
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed
   if (frame == nullptr) {
-    return false;
+    return 0;
   }
-  PyObject* below = PyObject_GetAttr(value, G.str_below);
-  if (below == nullptr) {
-    PyErr_Clear();  // (__bool__ then reads it and raises what there is to raise)
-    return false;
+  PyObject* target = scope_slot(scope, G.frame_offset);
+  PyObject* below = scope_slot(scope, G.below_offset);
+  PyFrameObject* first = PyFrame_GetBack(frame);  // new reference (or nullptr)
+  if (first != nullptr && reinterpret_cast<PyObject*>(first) == below) {
+    Py_DECREF(first);
+    return 1;
   }
-  if (reinterpret_cast<PyObject*>(frame) == below) {
-    Py_DECREF(below);
-    return true;
+  PyObject* self_frame = reinterpret_cast<PyObject*>(frame);
+  if (self_frame == target || (below != nullptr && self_frame == below)) {
+    Py_XDECREF(first);
+    return 1;
   }
-  PyFrameObject* back = PyFrame_GetBack(frame);
-  const bool running = back != nullptr && reinterpret_cast<PyObject*>(back) == below;
-  Py_XDECREF(back);
-  Py_DECREF(below);
-  return running;
+  PyFrameObject* walk = first;
+  Py_XINCREF(walk);
+  while (walk != nullptr) {
+    PyObject* w = reinterpret_cast<PyObject*>(walk);
+    if (w == target || w == below) {
+      Py_DECREF(walk);
+      PyCodeObject* code = PyFrame_GetCode(first);  // new reference
+      const bool resumable = (code->co_flags & G.resumable) != 0;
+      Py_DECREF(code);
+      if (!resumable) {
+        PyObject*& slot = scope_slot(scope, G.below_offset);
+        PyObject* old = slot;
+        Py_INCREF(first);
+        slot = reinterpret_cast<PyObject*>(first);
+        Py_XDECREF(old);
+      }
+      Py_DECREF(first);
+      return 1;
+    }
+    PyFrameObject* next = PyFrame_GetBack(walk);
+    Py_DECREF(walk);
+    walk = next;
+  }
+  Py_XDECREF(first);
+  return 0;
+}
+
+// The casts-disabled value `value` is a step's scope whose step is running: casts are off,
+// without StepScope.__bool__'s Python. (Its other answer, a step that ended without its
+// post-hook, is left to __bool__, which also puts the value of before the step back.)
+int in_step(PyObject* value) {
+  return Py_TYPE(value) == G.step_scope ? running(value) : 0;
 }
 
 PyObject* cw_vectorcall(PyObject* op, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
@@ -87,26 +121,35 @@ PyObject* cw_vectorcall(PyObject* op, PyObject* const* args, size_t nargsf, PyOb
   if (kwnames != nullptr && explicit_out(args, nargsf, kwnames)) {
     return call_original(self, args, nargsf, kwnames);
   }
-  // The closure's order: session.live, then compiling(), then disabled().
-  PyObject* live = PyObject_GetAttr(self->session, G.str_live);
-  if (live == nullptr) {
-    return nullptr;
-  }
-  const int on = truth(live);
-  Py_DECREF(live);
-  if (on <= 0) {
-    return on < 0 ? nullptr : call_original(self, args, nargsf, kwnames);
-  }
   PyObject* flag = PyDict_GetItemWithError(G.compiler_dict, G.str_flag);  // borrowed
-  if (flag != Py_False) {
-    return flag == nullptr && PyErr_Occurred() ? nullptr
-                                               : call_python(self, args, nargsf, kwnames);
+  if (flag == nullptr && PyErr_Occurred()) {
+    return nullptr;
   }
   PyObject* value = nullptr;
-  if (PyContextVar_Get(G.disabled, nullptr, &value) < 0) {
-    return nullptr;
+  if (flag == Py_False) {
+    // The optimizer's update loop first: inside a step the closure calls the original
+    // whatever session.live says (casts are off either way), so its answer comes first.
+    if (PyContextVar_Get(G.disabled, nullptr, &value) < 0) {
+      return nullptr;
+    }
+    const int step = value == nullptr ? 0 : in_step(value);
+    if (step != 0) {
+      Py_DECREF(value);
+      return step < 0 ? nullptr : call_original(self, args, nargsf, kwnames);
+    }
   }
-  const int off = value == nullptr ? 0 : in_step(value) ? 1 : truth(value);
+  // Otherwise the closure's order: session.live, then compiling(), then disabled().
+  PyObject* live = PyObject_GetAttr(self->session, G.str_live);
+  const int on = live == nullptr ? -1 : truth(live);
+  Py_XDECREF(live);
+  if (on <= 0) {
+    Py_XDECREF(value);
+    return on < 0 ? nullptr : call_original(self, args, nargsf, kwnames);
+  }
+  if (flag != Py_False) {
+    return call_python(self, args, nargsf, kwnames);
+  }
+  const int off = value == nullptr ? 0 : truth(value);
   Py_XDECREF(value);
   if (off != 0) {
     return off < 0 ? nullptr : call_original(self, args, nargsf, kwnames);
@@ -239,6 +282,27 @@ PyMemberDef cw_members[] = {
 
 PyTypeObject CastWrapperType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+// The offset of a `__slots__` attribute of `type` (its member descriptor), or -1 (error set).
+Py_ssize_t slot_offset(PyObject* type, const char* name) {
+  PyObject* descr = PyObject_GetAttrString(type, name);
+  if (descr == nullptr) {
+    return -1;
+  }
+  Py_ssize_t offset = -1;
+  if (Py_TYPE(descr) == &PyMemberDescr_Type) {
+    PyMemberDef* def = reinterpret_cast<PyMemberDescrObject*>(descr)->d_member;
+    if (def->type == T_OBJECT_EX) {
+      offset = def->offset;
+    }
+  }
+  Py_DECREF(descr);
+  if (offset < 0) {
+    PyErr_Format(PyExc_TypeError, "_cast_wrapper_setup: %s is not a slot of the step scope",
+                 name);
+  }
+  return offset;
+}
+
 PyObject* setup(PyObject* /*module*/, PyObject* args) {
   PyObject *tensor, *parameter, *size, *device, *layout, *memory_format, *compiler_dict,
       *disabled, *step_scope, *odd;
@@ -276,10 +340,14 @@ PyObject* setup(PyObject* /*module*/, PyObject* args) {
     G.str_live = PyUnicode_InternFromString("live");
     G.str_flag = PyUnicode_InternFromString("_is_compiling_flag");
     G.str_out = PyUnicode_InternFromString("out");
-    G.str_below = PyUnicode_InternFromString("_below");
-    if (!G.containers || !G.str_live || !G.str_flag || !G.str_out || !G.str_below) {
+    if (!G.containers || !G.str_live || !G.str_flag || !G.str_out) {
       return nullptr;
     }
+  }
+  G.frame_offset = slot_offset(step_scope, "frame");
+  G.below_offset = slot_offset(step_scope, "_below");
+  if (G.frame_offset < 0 || G.below_offset < 0) {
+    return nullptr;
   }
   Py_RETURN_NONE;
 }

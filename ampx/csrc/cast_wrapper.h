@@ -37,7 +37,9 @@ struct Globals {
   PyObject* str_live = nullptr;
   PyObject* str_flag = nullptr;
   PyObject* str_out = nullptr;
-  PyObject* str_below = nullptr;
+  Py_ssize_t frame_offset = -1;  // StepScope's `frame` and `_below` slots
+  Py_ssize_t below_offset = -1;
+  int resumable = CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR;  // regions._RESUMABLE
 };
 extern Globals G;  // defined in cast_wrapper.cpp
 
