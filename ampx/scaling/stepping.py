@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..o1 import regions
+from . import compensated
 from .masters import MasterMap
 from .protocol import ATTR, OptimizerAmpState, SessionHooks, Stage, amp_state_of
 
@@ -188,6 +189,8 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
     result = (args, kwargs) if ran else None
     if decision.skip:
         result = (_standin(optimizer), *args[1:]), kwargs
+    elif state.policy.compensation:  # O3 compensated half weights (ampx.scaling.compensated)
+        result = compensated.before_step(optimizer, args, kwargs, _standin)
     elif decision.flag is not None:
         optimizer.grad_scale = None  # type: ignore[attr-defined]  # already unscaled
         optimizer.found_inf = decision.flag.reshape(())  # type: ignore[attr-defined]
@@ -249,6 +252,8 @@ def _step_post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict)
         if "found_inf" in attrs or "grad_scale" in attrs:
             for name in _FUSED_ATTRS:
                 attrs.pop(name, None)
+        if state.policy.compensation:
+            compensated.after_step(optimizer)
         state.after_step(optimizer)
     finally:
         regions.end_step(sys._getframe(1), id(optimizer))
