@@ -23,8 +23,9 @@ Two paths, chosen per step, both behind ampx's step hooks (``ampx.scaling.steppi
   step (LR schedulers work). No float32 weight is ever made.
 - general: every other optimizer. The optimizer's own ``step`` runs on a copy of it whose
   parameters are float32 tensors ``x`` (with float32 gradients and float32 copies of the
-  half state); the post-hook rounds them back into ``(w, c)`` and the state into its dtype
-  (state the step creates stays as the optimizer made it, float32). A closure (LBFGS's line
+  half state); the post-hook rounds them back into ``(w, c)`` and the state's floating
+  tensors (but ``step``) into the parameter's dtype, as torch's ``load_state_dict`` casts
+  them (so a resumed run is the same run). A closure (LBFGS's line
   search) is wrapped: each call runs the half model at ``half(x)`` (the parameters' data
   swapped for the call, the weights themselves untouched) and hands its gradients to ``x``.
 
@@ -318,22 +319,11 @@ class _General:
             for group, new in zip(optimizer.param_groups, groups):
                 if value is group["params"]:
                     setattr(shell, name, new["params"])
-        self.widened: dict[int, set[str]] = {}
         state: defaultdict[Any, Any] = defaultdict(dict)
         for key, entry in optimizer.state.items():
-            half = key.dtype if isinstance(key, torch.Tensor) else None
-            widened = self.widened[id(key)] = set()
-            copy = {}
-            for name, value in entry.items():
-                if name == KEY:
-                    continue
-                if (isinstance(value, torch.Tensor) and value.dtype == half
-                        and half in _HALF and name != "step"):
-                    widened.add(name)
-                    copy[name] = value.detach().to(_F32)
-                else:
-                    copy[name] = _copied(value)
-            state[proxy_of.get(id(key), key)] = copy
+            state[proxy_of.get(id(key), key)] = {
+                name: _copied(value, _F32 if name != "step" else None)
+                for name, value in entry.items() if name != KEY}
         shell.state = state
         self.shell = shell
 
@@ -381,8 +371,10 @@ class _General:
         entries = {}
         for key, entry in self.shell.state.items():
             real = by_proxy.get(id(key), key)
-            widened = self.widened.get(id(real), set())
-            new = {name: value.to(real.dtype) if name in widened else value
+            half = real.dtype if isinstance(real, torch.Tensor) and real.dtype in _HALF else None
+            # as torch's load_state_dict casts state: floating tensors but `step` in the
+            # parameter's dtype (so a resumed run is the same run)
+            new = {name: _copied(value, half if name != "step" else None, clone=False)
                    for name, value in entry.items()}
             comp = _comp(optimizer, real) if isinstance(real, torch.Tensor) else None
             if comp is not None:
@@ -413,14 +405,16 @@ class _General:
             raise
 
 
-def _copied(value: Any) -> Any:
-    """A copy of an optimizer-state value the step may change in place (tensors, lists)."""
+def _copied(value: Any, dtype: torch.dtype | None, clone: bool = True) -> Any:
+    """An optimizer-state value (tensors, lists of them) with its half floating tensors in
+    `dtype` (None: kept), copied where the step could change it in place (`clone`)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, list):
-        return [_copied(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_copied(v) for v in value)
+        if dtype is not None and value.is_floating_point() and value.dtype != dtype and (
+                dtype == _F32) == (value.dtype in _HALF):
+            return value.detach().to(dtype)
+        return value.detach().clone() if clone else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v, dtype, clone) for v in value)
     if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
+        return {k: _copied(v, dtype, clone) for k, v in value.items()}
     return value
