@@ -218,6 +218,7 @@ def parse_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 
 NUMERICS_CHOICES = ("report",)
 COMPENSATION_CHOICES = ("kahan",)
+SWEEP_EXTRA = "O3+kahan"  # `ampx sweep`'s row for O3 with compensation="kahan"
 
 
 def parse_compensation(value: Any) -> str | None:

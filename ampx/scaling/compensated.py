@@ -418,3 +418,44 @@ def _copied(value: Any, dtype: torch.dtype | None, clone: bool = True) -> Any:
     if isinstance(value, dict):
         return {k: _copied(v, dtype, clone) for k, v in value.items()}
     return value
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+MODES = ("O0", "O1", "O2", "O3", "O3+kahan")
+STATE_TENSORS = {"sgd-momentum": 1, "adamw": 2}  # optimizer state tensors per parameter
+COLUMNS = ("weights", "grads", "masters", "compensation", "optimizer state")
+
+
+def bytes_per_param(mode: str, optimizer: str) -> dict[str, int]:
+    """What one parameter holds at a step (bf16/fp16 runs; the rules, not a measurement).
+
+    O0/O1: float32 weights and gradients. O2: half weights, float32 masters, and the
+    masters' float32 gradients (the half gradients are released when they are unscaled),
+    float32 state. O3: all half. O3+kahan: O3 and a half compensation. Scalars (Adam's
+    ``step``) are left out.
+
+    >>> sum(bytes_per_param("O3+kahan", "adamw").values())
+    10
+    """
+    states = STATE_TENSORS[optimizer]
+    if mode in ("O0", "O1"):
+        sizes = (4, 4, 0, 0, 4 * states)
+    elif mode == "O2":
+        sizes = (2, 4, 4, 0, 4 * states)
+    elif mode in ("O3", "O3+kahan"):
+        sizes = (2, 2, 0, 2 if mode == "O3+kahan" else 0, 2 * states)
+    else:
+        raise ValueError(f"bytes_per_param: mode {mode!r} is not one of {MODES}")
+    return dict(zip(COLUMNS, sizes))
+
+
+def memory_rows() -> list[list[str]]:
+    """The bytes-per-parameter table (header first) of docs/opt-levels.md and `ampx info`."""
+    rows = [["mode", *COLUMNS[:4], "SGD-momentum state", "AdamW state", "total SGD-m",
+             "total AdamW"]]
+    for mode in MODES:
+        sgd, adamw = bytes_per_param(mode, "sgd-momentum"), bytes_per_param(mode, "adamw")
+        rows.append([mode, *(str(sgd[c]) for c in COLUMNS[:4]), str(sgd[COLUMNS[4]]),
+                     str(adamw[COLUMNS[4]]), str(sum(sgd.values())), str(sum(adamw.values()))])
+    return rows

@@ -357,3 +357,48 @@ def test_a_failing_kernel_is_finished_on_the_reference(monkeypatch: pytest.Monke
     monkeypatch.undo()
     assert torch.equal(_flat(ref_model), _flat(model))
     _same_state(ref_opt.state_dict(), opt.state_dict())
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+def _held_bytes(model: nn.Module, opt: Any) -> tuple[int, int]:
+    """(bytes of every tensor a parameter holds at the step, parameter count): weights,
+    gradients, O2's masters and their gradients, optimizer state (scalars left out)."""
+    seen: dict[int, torch.Tensor] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            seen[id(t)] = t
+
+    tensors = [*model.parameters(), *ampx.master_params(opt)]
+    for t in tensors:
+        add(t)
+        add(t.grad)
+    for entry in opt.state.values():
+        for value in entry.values():
+            add(value)
+    count = sum(p.numel() for p in model.parameters())
+    return sum(t.numel() * t.element_size() for t in seen.values()), count
+
+
+@pytest.mark.parametrize("mode", compensated.MODES)
+@pytest.mark.parametrize("opt_name", ["sgd-momentum", "adamw"])
+def test_bytes_per_parameter_rules_match_a_measured_run(mode: str, opt_name: str) -> None:
+    level, _, comp = mode.partition("+")
+    opt_cls: Any = torch.optim.AdamW if opt_name == "adamw" else torch.optim.SGD
+    kw = dict(lr=1e-3) if opt_name == "adamw" else dict(lr=1e-3, momentum=0.9)
+    amp, model, opt = _make(level, opt_cls, comp or None, **kw)
+    _step(amp, model, opt)  # the state exists from the first step on
+    opt.zero_grad()
+    with amp.scale_loss(_loss(model), opt) as scaled:  # (amp is set: level is never None)
+        scaled.backward()
+    held, count = _held_bytes(model, opt)  # what the step sees
+    assert held == count * sum(compensated.bytes_per_param(mode, opt_name).values())
+
+
+def test_info_prints_the_bytes_per_parameter(capsys: pytest.CaptureFixture[str]) -> None:
+    from ampx.cli import main as cli
+
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "O3+kahan  2        2      0        2" in out

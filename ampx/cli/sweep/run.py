@@ -49,10 +49,12 @@ class SweepConfig:
     Attributes:
         opt_level: "O0".."O3", or None for the plain torch.autocast row.
         dtype: "fp16" or "bf16" (None for O0, which runs in float32).
+        compensation: "kahan" for O3's compensated half weights (the level "O3+kahan").
     """
 
     opt_level: Optional[str]
     dtype: Optional[str]
+    compensation: Optional[str] = None
 
     @property
     def autocast(self) -> bool:
@@ -63,6 +65,8 @@ class SweepConfig:
     def label(self) -> str:
         """The row label: "O0", "O2 bf16", "autocast bf16"."""
         head = self.opt_level or "autocast"
+        if self.compensation:
+            head += f"+{self.compensation}"
         return f"{head} {self.dtype}" if self.dtype else head
 
     @property
@@ -118,7 +122,7 @@ def build_configs(levels: Sequence[str], dtypes: Sequence[str], *,
     """The configurations of a sweep: O0 once (float32), other levels once per dtype.
 
     Args:
-        levels: Opt levels, e.g. ["O0", "O1", "O2", "O3"].
+        levels: Opt levels, e.g. ["O0", "O1", "O2", "O3", "O3+kahan"].
         dtypes: Half dtypes, e.g. ["bf16"].
         autocast: Add one torch.autocast row per dtype.
 
@@ -134,7 +138,8 @@ def build_configs(levels: Sequence[str], dtypes: Sequence[str], *,
     for level in levels:
         if level == "O0":
             continue
-        configs.extend(SweepConfig(level, dtype) for dtype in dtypes)
+        level, _, compensation = level.partition("+")  # "O3+kahan"
+        configs.extend(SweepConfig(level, dtype, compensation or None) for dtype in dtypes)
     if autocast:
         configs.extend(SweepConfig(None, dtype) for dtype in dtypes)
     return configs
@@ -147,6 +152,8 @@ def command_for(spec: SweepSpec, config: SweepConfig, telemetry_file: Path) -> l
         cmd += ["--opt-level", config.opt_level]
         if config.dtype is not None:
             cmd += ["--dtype", config.dtype]
+        if config.compensation is not None:
+            cmd += ["--compensation", config.compensation]
     if spec.steps is not None:
         cmd += ["--max-steps", str(spec.steps)]
     if spec.numerics and config.opt_level not in (None, "O0"):
