@@ -40,6 +40,41 @@ def update_scale_(
     min_scale: float,
     max_scale: float,
 ) -> None: ...
+def compensated_sgd_(
+    params: list[Tensor],
+    comps: list[Tensor],
+    grads: list[Tensor],
+    momentum_bufs: list[Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    maximize: bool,
+    first: bool,
+) -> None:
+    """One SGD step on compensated half weights (ampx/_reference_compensated.py)."""
+
+def compensated_adam_(
+    params: list[Tensor],
+    comps: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    maximize: bool,
+    step_size: float,
+    bias2_sqrt: float,
+) -> None:
+    """One Adam/AdamW step on compensated half weights (ampx/_reference_compensated.py)."""
+
 def has_cuda() -> bool:
     """Whether the CUDA kernels were compiled in."""
 

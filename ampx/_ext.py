@@ -1,8 +1,10 @@
 """Kernel backend switch: the native extension when it can run, the reference otherwise.
 
 Other ampx modules call only the five contract functions here (``unscale_``,
-``unscale_into_``, ``l2norm``, ``copy_``, ``update_scale_``), the foreach helper ``mul_``,
-:func:`describe`, ``BACKEND`` and ``IMPORT_ERROR``. This is the one place where tensors
+``unscale_into_``, ``l2norm``, ``copy_``, ``update_scale_``), the compensated (Kahan)
+half-weight optimizer steps ``compensated_sgd_`` / ``compensated_adam_`` (specified by
+:mod:`ampx._reference_compensated`), the foreach helper ``mul_``, :func:`describe`,
+``BACKEND`` and ``IMPORT_ERROR``. This is the one place where tensors
 are grouped by device and reduced to contiguous layouts before a kernel runs. Per call,
 the native kernels run when the extension is loaded and has kernels for the tensors'
 device (CPU always, CUDA when compiled with CUDA and built for that GPU: otherwise one
@@ -30,8 +32,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-__all__ = ["copy_", "describe", "l2norm", "mul_", "unscale_", "unscale_into_",
-           "update_scale_"]
+__all__ = ["compensated_adam_", "compensated_sgd_", "copy_", "describe", "l2norm", "mul_",
+           "unscale_", "unscale_into_", "update_scale_"]
 
 _log = logging.getLogger("ampx")
 _DISABLE_ENV = "AMPX_DISABLE_EXT"
@@ -421,6 +423,52 @@ def update_scale_(
     _impl(scale.device).update_scale_(
         scale, growth_tracker, hysteresis_tracker, found_inf, float(growth), float(backoff),
         int(interval), int(hysteresis), float(min_scale), float(max_scale))
+
+
+# ---------------------------------------------------------------------------
+# Compensated (Kahan) half-weight optimizer steps: numerics, arguments and errors are
+# ampx/_reference_compensated.py's. Contiguous tensors only (the optimizer's own state);
+# several devices: one call per device, the whole lists checked first (global indices).
+# ---------------------------------------------------------------------------
+
+
+def _compensated(name: str, lists: tuple[Tensors, ...], state: tuple[str, ...],
+                 kwargs: dict[str, Any]) -> None:
+    lists = tuple([_local(t) for t in items] for items in lists)
+    params = lists[0]
+    groups = _by_device(params) if params else [(torch.device("cpu"), [])]
+    if len(groups) > 1:
+        from ._reference_compensated import _check
+
+        _check(name, lists[0], lists[1], lists[2], dict(zip(state, lists[3:])))
+    for device, idx in groups:
+        part = lists if len(groups) == 1 else tuple(
+            [items[i] for i in idx] if len(items) == len(params) else items for items in lists)
+        getattr(_impl(device), name)(*part, **kwargs)
+
+
+def compensated_sgd_(params: Tensors, comps: Tensors, grads: Tensors, momentum_bufs: Tensors,
+                     *, lr: float, weight_decay: float, momentum: float, dampening: float,
+                     nesterov: bool, maximize: bool, first: bool) -> None:
+    """One SGD step on compensated half weights, in place: one native pass per device
+    (:func:`ampx._reference_compensated.compensated_sgd_`: numerics, arguments, errors)."""
+    _compensated("compensated_sgd_", (params, comps, grads, momentum_bufs),
+                 ("momentum_bufs",) if momentum else (), dict(
+                     lr=lr, weight_decay=weight_decay, momentum=momentum, dampening=dampening,
+                     nesterov=nesterov, maximize=maximize, first=first))
+
+
+def compensated_adam_(params: Tensors, comps: Tensors, grads: Tensors, exp_avgs: Tensors,
+                      exp_avg_sqs: Tensors, *, lr: float, beta1: float, beta2: float,
+                      eps: float, weight_decay: float, decoupled: bool, maximize: bool,
+                      step_size: float, bias2_sqrt: float) -> None:
+    """One Adam (``decoupled``: AdamW) step on compensated half weights, in place: one
+    native pass per device (:func:`ampx._reference_compensated.compensated_adam_`)."""
+    _compensated("compensated_adam_", (params, comps, grads, exp_avgs, exp_avg_sqs),
+                 ("exp_avgs", "exp_avg_sqs"), dict(
+                     lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                     decoupled=decoupled, maximize=maximize, step_size=step_size,
+                     bias2_sqrt=bias2_sqrt))
 
 
 # ---------------------------------------------------------------------------

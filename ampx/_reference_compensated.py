@@ -13,7 +13,10 @@ below is one float32 operation rounded to float32 (no fused multiply-add: the na
 uses ``-ffp-contract=off`` / ``--fmad=false``), in the order written; Python float scalars
 are rounded to float32 first (what torch does with a scalar operand of a float32 tensor).
 The torch calls here use only ``mul``, ``add``, ``sub``, ``div``, ``neg`` and ``sqrt`` (no
-``alpha=``, ``lerp`` or ``addcdiv``, whose vectorised CPU kernels may fuse).
+``alpha=``, ``lerp`` or ``addcdiv``, whose vectorised CPU kernels may fuse). ``sqrt`` is the
+correctly rounded float32 square root (IEEE, ``sqrtf``): torch's float32 CPU ``sqrt`` (MKL's
+vector math) is off by one unit in the last place for about 1% of inputs, so the reference
+takes the float64 root rounded once to float32, which is exact (:func:`_sqrt`).
 
 SGD (``torch.optim.SGD``'s algorithm; ``first`` when the momentum buffer is new)::
 
@@ -54,15 +57,23 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def _check(api: str, params: Tensors, comps: Tensors, grads: Tensors,
-           *state: Tensors) -> None:
-    lists = (params, comps, grads, *state)
+           state: dict[str, Tensors]) -> None:
+    """The arguments' checks (the native kernels raise the same types and messages).
+
+    ``grads`` and each ``state`` list hold float32 or the parameter's dtype (the kernels'
+    instantiations); the two Adam moments share a dtype; parameters are contiguous too.
+    """
+    lists = (params, comps, grads, *state.values())
     if any(len(items) != len(params) for items in lists):
         raise ValueError(f"ampx.{api}: the tensor lists differ in length "
                          f"({', '.join(str(len(items)) for items in lists)})")
+    named = {"grads": grads, **state}
     for i, p in enumerate(params):
         if p.dtype not in _HALF:
             raise TypeError(f"ampx.{api}: params[{i}] is {p.dtype}; compensated updates "
                             "are for float16/bfloat16 weights")
+        if not p.is_contiguous():
+            raise ValueError(f"ampx.{api}: tensor {i} is not contiguous")
         for items in lists[1:]:
             t = items[i]
             if t.shape != p.shape or t.device != p.device:
@@ -72,11 +83,29 @@ def _check(api: str, params: Tensors, comps: Tensors, grads: Tensors,
                 raise ValueError(f"ampx.{api}: tensor {i} is not contiguous")
         if comps[i].dtype != p.dtype:
             raise TypeError(f"ampx.{api}: comps[{i}] is {comps[i].dtype}, not {p.dtype}")
+        for name, items in named.items():
+            if items[i].dtype not in (_F32, p.dtype):
+                raise TypeError(f"ampx.{api}: {name}[{i}] is {items[i].dtype}; expected "
+                                f"torch.float32 or {p.dtype}")
+        if "exp_avg_sqs" in state and state["exp_avg_sqs"][i].dtype != state["exp_avgs"][i].dtype:
+            raise TypeError(f"ampx.{api}: exp_avg_sqs[{i}] is {state['exp_avg_sqs'][i].dtype}, "
+                            f"not {state['exp_avgs'][i].dtype} like exp_avgs[{i}]")
 
 
 def _f32(value: float) -> torch.Tensor:
     """A Python float rounded to a float32 0-d tensor (one rounding, as the kernels take it)."""
     return torch.tensor(value, dtype=_F32)
+
+
+def _sqrt(v: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root of float32 `v`.
+
+    The float64 root of a float32 value is within a unit of float64's last place, which can
+    never straddle a float32 rounding boundary (an exact root lies at least about 2**-50
+    relative away from the nearest float32 midpoint), so rounding it to float32 gives the
+    IEEE result that the kernels' ``sqrtf`` / ``_mm512_sqrt_ps`` / ``__fsqrt_rn`` compute.
+    """
+    return torch.sqrt(v.double()).float()
 
 
 def _write_back(w: torch.Tensor, c: torch.Tensor, x: torch.Tensor) -> None:
@@ -93,7 +122,8 @@ def compensated_sgd_(params: Tensors, comps: Tensors, grads: Tensors, momentum_b
     ``momentum_bufs`` is empty when ``momentum`` is 0, else one buffer per parameter (its
     contents are ignored when ``first``).
     """
-    _check("compensated_sgd_", params, comps, grads, *([momentum_bufs] if momentum else []))
+    _check("compensated_sgd_", params, comps, grads,
+           {"momentum_bufs": momentum_bufs} if momentum else {})
     lr_, wd, mu = _f32(lr), _f32(weight_decay), _f32(momentum)
     keep = _f32(1.0 - dampening)
     with torch.no_grad():
@@ -121,7 +151,8 @@ def compensated_adam_(params: Tensors, comps: Tensors, grads: Tensors, exp_avgs:
 
     ``step_size`` and ``bias2_sqrt`` are the step's bias corrections (module docstring).
     """
-    _check("compensated_adam_", params, comps, grads, exp_avgs, exp_avg_sqs)
+    _check("compensated_adam_", params, comps, grads,
+           {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs})
     b1, b2 = _f32(beta1), _f32(beta2)
     one_b1, one_b2 = _f32(1.0 - beta1), _f32(1.0 - beta2)
     eps_, wd, decay = _f32(eps), _f32(weight_decay), _f32(1.0 - lr * weight_decay)
@@ -140,6 +171,6 @@ def compensated_adam_(params: Tensors, comps: Tensors, grads: Tensors, exp_avgs:
             v = torch.add(torch.mul(v_s.to(_F32), b2), torch.mul(torch.mul(g, g), one_b2))
             m_s.copy_(m)
             v_s.copy_(v)
-            denom = torch.add(torch.div(torch.sqrt(v), root2), eps_)
+            denom = torch.add(torch.div(_sqrt(v), root2), eps_)
             x = torch.sub(x, torch.mul(torch.div(m, denom), size))
             _write_back(w, c, x)

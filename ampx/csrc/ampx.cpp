@@ -283,6 +283,7 @@ std::string cuda_archs() {
 
 void init_cast_wrapper(PyObject* module);  // cast_wrapper.cpp
 void init_grad_pass(pybind11::module& m);  // grad_pass.cpp
+void init_compensated(pybind11::module& m);  // compensated.cpp
 
 }  // namespace ampx
 
@@ -296,6 +297,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unscale_into_", &ampx::unscale_into_, arg("src"), arg("dst"), arg("inv_scale"),
         arg("found_inf"), arg("per_tensor") = py::none(), arg("accumulate") = false, nogil);
   ampx::init_grad_pass(m);
+  ampx::init_compensated(m);  // Kahan half-weight SGD/Adam steps
   m.def("l2norm", &ampx::l2norm, arg("tensors"), arg("per_tensor") = false, nogil);
   m.def("copy_", &ampx::copy_, arg("src"), arg("dst"), nogil);
   m.def("update_scale_", &ampx::update_scale_, arg("scale"), arg("growth_tracker"),
