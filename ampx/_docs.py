@@ -171,7 +171,8 @@ def _compensation_section() -> list[str]:
         "| `torch.optim.SGD` (momentum, nesterov, dampening, weight decay, maximize), `Adam`,"
         " `AdamW` (for-loop, `foreach=True` or `fused=True`) | fused: compensated kernels read"
         " `w`, `c`, the gradient and the state and write them back (the native kernels never"
-        " make float32 weights; the reference makes one parameter's at a time); the state keeps torch's format (`step` tensor, `exp_avg`, `exp_avg_sq`,"
+        " make float32 weights; the reference makes one parameter's at a time); the state"
+        " keeps torch's format (`step` tensor, `exp_avg`, `exp_avg_sq`,"
         " `momentum_buffer` in the parameter's dtype) |",
         "| `Adam`/`AdamW` with `amsgrad`, `capturable` or `differentiable`; `Adagrad`, `RMSprop`,"
         " `LBFGS`, ampx's apex optimizers (`FusedAdam`, ...), any other optimizer | general:"

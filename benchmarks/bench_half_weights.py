@@ -59,7 +59,7 @@ def windows(data: torch.Tensor, count: int, ctx: int, gen: torch.Generator) -> t
     return torch.stack([data[s: s + ctx + 1] for s in starts.tolist()])
 
 
-# -- the model ------------------------------------------------------------------------------------
+# -- the model ----------------------------------------------------------------------------------
 
 class Block(nn.Module):
     def __init__(self, d: int, heads: int) -> None:
@@ -110,7 +110,7 @@ def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
 
 
-# -- one configuration ------------------------------------------------------------------------------
+# -- one configuration ---------------------------------------------------------------------------
 
 def train(config: str, lr: float, args: argparse.Namespace, data: tuple) -> float:
     """Train one configuration; returns its held-out loss."""

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from .. import _reference
+from .. import _ext, _reference
 
 __all__ = ["KEY", "after_step", "before_step", "fused_path", "install", "originals"]
 
@@ -64,11 +64,9 @@ _WATCH: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, tuple[torch.T
 
 
 def _kernels() -> Any:
-    """The module with ``compensated_sgd_`` / ``compensated_adam_``: ``ampx._ext`` once it
-    dispatches them (native or reference), else the reference."""
-    from .. import _ext
-
-    return _ext if hasattr(_ext, "compensated_sgd_") else _reference
+    """The module with ``compensated_sgd_`` / ``compensated_adam_`` (``ampx._ext``: native,
+    or the reference under AMPX_DISABLE_EXT=1); tests replace it to inject faults."""
+    return _ext
 
 
 def _params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:

@@ -42,6 +42,12 @@ def _loss(model: nn.Module) -> torch.Tensor:
     return ((model(x).float() - y) ** 2).mean()
 
 
+def _half_loss(model: nn.Module) -> torch.Tensor:
+    """A plain half model (no ampx): its inputs cast by hand."""
+    x, y = _data()
+    return ((model(x.to(next(model.parameters()).dtype)).float() - y) ** 2).mean()
+
+
 def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().flatten() for p in model.parameters()])
 
@@ -58,7 +64,8 @@ def _make(level: str | None, opt_cls: Any, comp: str | None = None, **kw: Any) -
 
 def _step(amp: Any, model: nn.Module, opt: Any) -> None:
     opt.zero_grad()
-    loss = _loss(model)
+    loss = _loss(model) if amp is not None or next(model.parameters()).dtype == torch.float32 \
+        else _half_loss(model)
     if amp is None:
         loss.backward()
     else:
@@ -125,6 +132,20 @@ def test_fused_path_keeps_torchs_state_format() -> None:
                 assert (a.dtype, a.device, a.shape) == (b.dtype, b.device, b.shape), key
             if "step" in keys:
                 assert ours["step"].item() == 2.0
+
+
+def test_a_plain_torch_optimizer_loads_the_state() -> None:
+    """Going back to plain torch: the state is torch's, the extra entry is ignored."""
+    for opt_cls, kw in [(torch.optim.AdamW, dict(lr=1e-3)),
+                        (torch.optim.SGD, dict(lr=1e-2, momentum=0.9))]:
+        _, kahan, opt = _train("O3", opt_cls, "kahan", 3, **kw)
+        plain_model = _model().to(BF16)
+        plain_model.load_state_dict(kahan.state_dict())
+        plain = opt_cls(plain_model.parameters(), **kw)
+        plain.load_state_dict(opt.state_dict())
+        _step(None, plain_model, plain)  # torch's own step on that state
+        assert torch.isfinite(_flat(plain_model)).all()
+        assert (_flat(plain_model) - _flat(kahan)).abs().max() < 0.05
 
 
 def test_general_path_for_every_other_optimizer() -> None:
