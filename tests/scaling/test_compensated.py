@@ -423,3 +423,36 @@ def test_info_prints_the_bytes_per_parameter(capsys: pytest.CaptureFixture[str])
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert "O3+kahan  2        2      0        2" in out
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+def test_ampx_run_forces_the_compensation() -> None:
+    from ampx.cli import main as cli
+
+    args = cli.build_parser().parse_args(["run", "-O", "O3", "--compensation", "kahan", "x.py"])
+    forced = cli._forced_from_args(args)
+    assert forced.options["compensation"] == "kahan"
+    props = ampx.options.levels.resolve_properties(**forced.apply({"opt_level": "O1"}))
+    assert props.compensation == "kahan" and props.master_weights is False
+    bad = cli.build_parser().parse_args(["run", "-O", "O2", "--compensation", "kahan", "x.py"])
+    with pytest.raises(cli._UsageError, match="compensation='kahan'"):
+        cli._forced_from_args(bad)
+
+
+def test_the_sweep_has_an_o3_kahan_row(tmp_path: Any) -> None:
+    from ampx.cli import main as cli
+    from ampx.cli.sweep.command import spec_from_args
+    from ampx.cli.sweep.run import command_for
+
+    args = cli.build_parser().parse_args(["sweep", "--out", str(tmp_path)])
+    args.script_args = []  # (what `ampx sweep`'s main sets)
+    spec = spec_from_args(args)
+    labels = [c.label for c in spec.configs]
+    assert "O3+kahan bf16" in labels and labels.index("O3+kahan bf16") > labels.index("O3 bf16")
+    config = spec.configs[labels.index("O3+kahan bf16")]
+    cmd = command_for(spec, config, tmp_path / "t.jsonl")
+    assert cmd[cmd.index("--opt-level") + 1] == "O3"
+    assert cmd[cmd.index("--compensation") + 1] == "kahan"
+    levels = cli.build_parser().parse_args(["sweep", "--levels", "O0,o3+KAHAN"]).levels
+    assert levels == ["O0", "O3+kahan"]
