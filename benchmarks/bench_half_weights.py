@@ -12,6 +12,19 @@ In bf16 an update smaller than 2^-9 of a weight is rounded away: at small learni
 plain O3 loses most of its updates (LayerNorm gains near 1.0 never move at lr 1e-4), O2
 keeps them in float32 masters, and O3+kahan keeps them in a half compensation per weight.
 
+Measured (CPU, 2 cores shared, load average 12-15; ``--threads 1``, one process per lr,
+defaults otherwise: 400 steps, bf16, seed 0; reference compensated kernels)::
+
+    | lr   | config   | held-out loss | gap to fp32 |
+    | 1e-3 | fp32     | 2.0936        | +0.00%      |
+    | 1e-3 | O2       | 2.0899        | -0.18%      |
+    | 1e-3 | O3       | 2.1198        | +1.25%      |
+    | 1e-3 | O3+kahan | 2.0827        | -0.52%      |
+    | 1e-4 | fp32     | 2.5753        | +0.00%      |
+    | 1e-4 | O2       | 2.5750        | -0.01%      |
+    | 1e-4 | O3       | 2.8515        | +10.73%     |
+    | 1e-4 | O3+kahan | 2.5745        | -0.03%      |
+
 Usage::
 
     python benchmarks/bench_half_weights.py                     # lr 1e-3 and 1e-4, 400 steps
