@@ -10,6 +10,8 @@
 #   selftest  ampx selftest: native vs reference on CPU and every GPU through ampx._ext,
 #             the launch-batching cases, graph capture, a 2**31-element tensor; training checks
 #   tests     pytest tests/kernels/test_cuda_build.py tests/kernels/test_kernels.py tests/cli/test_selftest.py
+#   compensated  pytest tests/kernels/test_compensated.py -k cuda: the compensated (Kahan)
+#             SGD/Adam CUDA kernels bitwise against the CPU spec (a skip fails the step)
 #   kernels   benchmarks/bench_kernels.py --device cuda:0 (GB/s: native, reference, torch)
 #   bench     benchmarks/bench_gpu.py (fp16 step times: fp32, autocast+GradScaler, O1, O2,
 #             O2 on the reference kernels; ResNet-18-like and transformer; interleaved)
@@ -74,6 +76,16 @@ sys.exit(0 if torch.cuda.is_available() else 1)
 EOF
 }
 
+# The compensated-kernel CUDA tests must run, not skip (a skip would pass pytest).
+compensated_check() {
+    local log
+    log=$(timeout 180 "$PY" -m pytest -q -p no:cacheprovider -rs \
+        tests/kernels/test_compensated.py -k cuda 2>&1)
+    local rc=$?
+    echo "$log"
+    [ "$rc" -eq 0 ] && ! grep -q "skipped" <<< "$log"
+}
+
 step env 120 env_report
 step build 420 "$PY" -m ampx build-ext --require-cuda
 step info 60 "$PY" -m ampx info
@@ -81,6 +93,7 @@ step selftest 240 "$PY" -m ampx selftest
 if "$PY" -c "import pytest" 2>/dev/null; then
     step tests 420 "$PY" -m pytest -q -p no:cacheprovider -rs tests/kernels/test_cuda_build.py \
         tests/kernels/test_kernels.py tests/cli/test_selftest.py
+    step compensated 180 compensated_check
 else
     echo "tests: SKIPPED, pytest is not installed" | tee -a "$OUT/summary.txt"
 fi

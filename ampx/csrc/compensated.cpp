@@ -323,7 +323,7 @@ void compensated_sgd(const TensorList& params, const TensorList& comps,
     sgd_cpu(params, comps, grads, bufs, p);
     return;
   }
-#if defined(AMPX_WITH_CUDA) && defined(AMPX_COMPENSATED_CUDA)  // compensated_cuda.cu: next
+#ifdef AMPX_WITH_CUDA
   if (device.is_cuda()) {
     compensated_sgd_cuda(params, comps, grads, bufs, p);
     return;
@@ -358,7 +358,7 @@ void compensated_adam(const TensorList& params, const TensorList& comps,
     adam_cpu(params, comps, grads, exp_avgs, exp_avg_sqs, p);
     return;
   }
-#if defined(AMPX_WITH_CUDA) && defined(AMPX_COMPENSATED_CUDA)  // compensated_cuda.cu: next
+#ifdef AMPX_WITH_CUDA
   if (device.is_cuda()) {
     compensated_adam_cuda(params, comps, grads, exp_avgs, exp_avg_sqs, p);
     return;

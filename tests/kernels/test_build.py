@@ -3,7 +3,7 @@ CUDA sources under nvcc.
 
 Nothing here builds the real extension (CI does that with ``ampx build-ext`` before
 pytest, and tests/test_wheel.py from an installed wheel); the failure test compiles a
-one-line broken source, and the nvcc test compiles ``ampx/csrc/kernels_cuda.cu`` to an
+one-line broken source, and the nvcc test compiles each ``ampx/csrc/*.cu`` to an
 object file (skipped where nvcc is absent).
 """
 
@@ -163,8 +163,9 @@ def _torch_include() -> Path:
 
 
 @pytest.mark.slow
-def test_cuda_kernels_compile_with_nvcc(tmp_path: Path) -> None:
-    """Compile kernels_cuda.cu for real (-c) against torch's headers."""
+@pytest.mark.parametrize("source", ["kernels_cuda.cu", "compensated_cuda.cu"])
+def test_cuda_kernels_compile_with_nvcc(tmp_path: Path, source: str) -> None:
+    """Compile each CUDA source for real (-c) against torch's headers."""
     if os.environ.get("AMPX_DISABLE_EXT") == "1":
         pytest.skip("compiled in the native leg of CI; the sources do not depend on the env")
     nvcc = _build._nvcc()
@@ -181,7 +182,7 @@ def test_cuda_kernels_compile_with_nvcc(tmp_path: Path) -> None:
         target.parent.mkdir(parents=True)
         target.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     cmd = [
-        nvcc, "-std=c++20", "-c", str(CSRC / "kernels_cuda.cu"), "-o", str(tmp_path / "k.o"),
+        nvcc, "-std=c++20", "-c", str(CSRC / source), "-o", str(tmp_path / "k.o"),
         f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}", f"-I{shim}",
         f"-I{CSRC}", "-DAMPX_WITH_CUDA", "--fmad=false", "-Xcompiler", "-fPIC",
         "-arch=sm_80", "-w",

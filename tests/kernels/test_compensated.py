@@ -383,3 +383,73 @@ def test_ext_groups_by_device() -> None:
     lists[2][1] = lists[2][1].double()
     with pytest.raises(TypeError, match=r"grads\[1\] is torch.float64"):
         _ext.compensated_adam_(*lists, **o)
+
+
+# ---------------------------------------------------------------------------
+# CUDA (benchmarks/gpu_check.sh runs this file on a GPU machine)
+# ---------------------------------------------------------------------------
+
+
+def _cuda_or_skip() -> Any:
+    native = native_or_skip()
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if not native.has_cuda():
+        pytest.skip("this ampx._C build has no CUDA kernels")
+    return native
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["mixed", "many_tensors"])
+def test_cuda_kernels_match_the_cpu_spec(many: bool) -> None:
+    """The CUDA kernels give the CPU spec's bits: every dtype mix, odd sizes, chunk edges
+    (65536 elements per block), more tensors than one launch holds, every option."""
+    native = _cuda_or_skip()
+    if many:  # 70 tensors > 32 per launch; one spans 3 chunks (carried across launches)
+        parts = []
+        for k, n in enumerate([3, 65, 1000] * 23 + [2 * 65536 + 3]):
+            w = BF16 if k % 2 else F16
+            parts.append(make_state(n, w, F32 if k % 3 else w, F32 if k % 5 else w, seed=k))
+        lists = [list(column) for column in zip(*parts)]
+    else:
+        lists = _mixed_lists(seed=23)
+    cases = [("adam", o) for o in ADAM_OPTIONS] + [("sgd", o) for o in SGD_OPTIONS]
+    for kind, o in cases:
+        cols = lists if kind == "adam" else lists[:4]
+        if kind == "sgd" and not o["momentum"]:
+            cols = [*lists[:3], []]
+        want = [[t.clone() for t in column] for column in cols]
+        got = [[t.cuda() for t in column] for column in cols]
+        fn = "compensated_adam_" if kind == "adam" else "compensated_sgd_"
+        getattr(spec, fn)(*want, **o)
+        getattr(native, fn)(*got, **o)
+        for gc, wc in zip(got, want):
+            for i, (a, e) in enumerate(zip(gc, wc)):
+                assert_same_bits(a.cpu(), e, f"{kind} {o} tensor {i}")
+
+
+def test_cuda_non_finite_and_dispatch() -> None:
+    """Non-finite gradients propagate as on the CPU; `ampx._ext` sends CUDA lists to the
+    CUDA kernels."""
+    _cuda_or_skip()
+    for value in (math.inf, -math.inf, math.nan):
+        tensors = make_state(1001, BF16, F32, BF16, seed=6, plant=value)
+        o = ADAM_OPTIONS[3]
+        want = run_adam(spec.compensated_adam_, tensors, o)
+        got = [t.cuda() for t in tensors]
+        _ext.compensated_adam_(*([t] for t in got), **o)
+        assert_all_same([t.cpu() for t in got], want, f"{value}")
+
+
+def test_native_step_allocates_no_tensor() -> None:
+    """The fused step reads and writes in place: torch's allocator sees no allocation (no
+    float32 copy of the weights, no per-parameter temporaries), unlike the reference's."""
+    native = native_or_skip()
+    from torch.profiler import ProfilerActivity, profile
+
+    tensors = make_state(50_000, BF16, BF16, F32, seed=12)
+    lists = [[t] for t in tensors]
+    for impl, expect_none in ((native, True), (spec, False)):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            impl.compensated_adam_(*lists, **ADAM_OPTIONS[4])
+        allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+        assert (allocated == 0) == expect_none, (impl, allocated)
