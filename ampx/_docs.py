@@ -45,6 +45,8 @@ _OVERRIDE_RULES: tuple[tuple[str, str], ...] = (
     ("on_overflow", "not 'skip', 'raise' or 'fp32-fallback'"),
     ("overflow_patience", "not an int in [1, 2**31)"),
     ("detect_overflow", "not None (or False/'none') or 'forward'"),
+    ("compensation", "not None (or False/'none') or 'kahan'; 'kahan' where the model is not "
+                     "cast to half or keeps fp32 master weights (O0, O1, O2)"),
 )
 
 
@@ -72,6 +74,7 @@ _NONE_MEANS = {
     "min_loss_scale": "None (no floor)",
     "device_types": "None (the devices of the models' tensors)",
     "detect_overflow": "None (off)",
+    "compensation": "None (off)",
 }
 
 
@@ -141,7 +144,65 @@ def opt_levels_markdown() -> str:
     lines += [f"| `{name}` | {rule} |" for name, rule in _OVERRIDE_RULES]
     lines += ["", "apex's messages are kept word for word where apex had one, for example:", "",
               "```", *_apex_messages(), "```", ""]
+    lines += _compensation_section()
     return "\n".join(lines)
+
+
+def _compensation_section() -> list[str]:
+    from .scaling.compensated import memory_rows
+
+    rows = memory_rows()
+    lines = [
+        "## Compensated half weights: `compensation='kahan'` (O3)", "",
+        "O3 keeps the weights themselves in half precision, so an update smaller than half a",
+        "unit in the last place of a weight (2^-9 of it in bf16) is rounded away: training at",
+        "small learning rates stalls. `ampx.initialize(..., opt_level='O3',",
+        "compensation='kahan')` (`ampx run --compensation kahan`; also O2 with",
+        "`master_weights=False`) keeps the weights half and gives each a half-precision",
+        "compensation `c`: the weight is `x = float32(w) + float32(c)`, each step updates `x`",
+        "in float32 and writes back `w = half(x)`, `c = half(x - float32(w))`",
+        "(`ampx._reference_compensated` has the exact math). At initialize `c` is the",
+        "residual of the float32 weight the model had before the cast (so the initial weights",
+        "keep about 16 bits); a weight written between initialize and the first step (DDP's",
+        "broadcast from rank 0, a `model.load_state_dict`) starts with `c = 0` on every rank.",
+        "Runs are bitwise reproducible for a fixed seed, and DDP ranks stay identical.", "",
+        "Which path each optimizer takes (ampx's step hooks; the optimizer is not changed):", "",
+        "| optimizer | path |", "| --- | --- |",
+        "| `torch.optim.SGD` (momentum, nesterov, dampening, weight decay, maximize), `Adam`,"
+        " `AdamW` (for-loop, `foreach=True` or `fused=True`) | fused: compensated kernels read"
+        " `w`, `c`, the gradient and the state and write them back (the native kernels never"
+        " make float32 weights; the reference makes one parameter's at a time); the state"
+        " keeps torch's format (`step` tensor, `exp_avg`, `exp_avg_sq`,"
+        " `momentum_buffer` in the parameter's dtype) |",
+        "| `Adam`/`AdamW` with `amsgrad`, `capturable` or `differentiable`; `Adagrad`, `RMSprop`,"
+        " `LBFGS`, ampx's apex optimizers (`FusedAdam`, ...), any other optimizer | general:"
+        " the optimizer's own `step` runs on float32 copies `x` of the parameters (float32"
+        " gradients and state), then `x` is rounded back into `(w, c)` and the state into the"
+        " parameter's dtype (as torch's `load_state_dict` casts it); correct, not lean (the"
+        " float32 copies live for the step). LBFGS's closure runs the half model at"
+        " `half(x)` |", "",
+        "Either path reads `lr` from `param_groups` every step (LR schedulers work) and the",
+        "whole step is skipped on inf/NaN gradients. An exception or interrupt inside the step",
+        "(the closure, the optimizer's own step, a hook) leaves weights, compensations and",
+        "state as they were: nothing real is written before ampx's post-step hook.", "",
+        "Checkpoints: `model.state_dict()` holds the half weights `w` (what the model computes",
+        "with; loading it into a float32 model gives `w`, about 8 bits in bf16).",
+        "`optimizer.state_dict()` holds each parameter's compensation under",
+        "`state[i]['compensation']`, next to the optimizer's own state; `amp.state_dict()` is",
+        "unchanged. Saving all three and loading them into fresh objects resumes bitwise. A",
+        "plain torch optimizer can load that state (the extra entry is ignored by SGD and",
+        "Adam); drop the `compensation` entries to go back to plain O3 for good.", "",
+        "### Bytes per parameter", "",
+        "What each parameter holds at a step (half = 2 bytes: fp16 or bf16), from",
+        "`ampx.scaling.compensated.bytes_per_param` (also printed by `ampx info`; a test",
+        "measures every cell's sum on a real run). O2's gradients are the masters' float32",
+        "ones (the half ones are released when they are unscaled); Adam's `step` scalars are",
+        "left out. The general path adds float32 copies of the parameters, gradients and",
+        "state for the length of the step.", "",
+        "| " + " | ".join(rows[0]) + " |", "| " + " | ".join("---" for _ in rows[0]) + " |",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ from .model import ModelCast, cast_model, check_models, device_types_of
 from .o1 import patch
 from .options.levels import OptionError, Properties
 from .registry import OptimizerExtension
+from .scaling import compensated
 from .scaling.journal import Journal
 from .scaling.masters import MasterMap, install_masters, optimizer_params, recast_state
 from .scaling.protocol import SessionHooks
@@ -132,6 +133,7 @@ def prepare(inputs: Inputs, props: Properties, scalers: Sequence[Any], *, owner:
         if props.master_weights and props.cast_model_type not in (None, torch.float32):
             split = {id(p) for opt in inputs.optimizers for p in optimizer_params(opt)
                      if p.is_floating_point()}
+        before = compensated.originals(inputs.models) if props.compensation else {}
         for model in inputs.models:
             # cast_model undoes itself when it raises; once it returned, its record's undo
             # (hooks, swapped parameters, cast buffers) joins this journal
@@ -146,7 +148,9 @@ def prepare(inputs: Inputs, props: Properties, scalers: Sequence[Any], *, owner:
             install_masters(opt, masters)
             if props.cast_model_type is not None:
                 recast_state(opt)
-            attach(opt, owner, masters, hooks)
+            state = attach(opt, owner, masters, hooks)
+            if props.compensation:
+                compensated.install(opt, before, state.handles)
             for extension in extensions:
                 extension.attach(opt, journal)
         device = _first_device(inputs)

@@ -270,7 +270,8 @@ class Amp:
         return SessionHooks(scales=self.scales_gradients, skips=self.skips_non_finite,
                             master_weights=bool(self.properties.master_weights),
                             per_tensor=self.scales_gradients, on_overflow=self._report_overflow,
-                            on_skip=self._on_skip, on_step=self.record_step)
+                            on_skip=self._on_skip, on_step=self.record_step,
+                            compensation=self.properties.compensation)
 
     def _report_overflow(self, loss_ids: Any) -> None:
         if self.overflow_watch is None:  # else _on_skip logs, with the provenance

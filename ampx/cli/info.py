@@ -1,4 +1,5 @@
-"""`ampx info`: versions, devices and their fp16/bf16 support, the kernel backend.
+"""`ampx info`: versions, devices and their fp16/bf16 support, the kernel backend, and the
+bytes each parameter holds at each opt level.
 
 One job: collect what a user (or a bug report) needs to know about this installation, as a
 JSON-able dict, and format it as text. CPU features come from torch's own probes
@@ -132,7 +133,15 @@ def collect_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "devices": [cpu, *_accelerators()],
         "kernels": _kernel_info(),
+        "bytes_per_param": _memory_rows(),
     }
+
+
+def _memory_rows() -> list[list[str]]:
+    """Bytes each parameter holds at a step, per opt level (the rules; docs/opt-levels.md)."""
+    from ..scaling.compensated import memory_rows
+
+    return memory_rows()
 
 
 def _kernel_info() -> dict[str, Any]:
@@ -170,4 +179,7 @@ def format_info(info: Mapping[str, Any]) -> str:
                  f"features: {', '.join(cpu['flags']) or 'none of ' + ', '.join(_PROBES)}")
     lines += ["", "kernels:"]
     lines += [f"  {key}: {value}" for key, value in info["kernels"].items()]
+    if info.get("bytes_per_param"):
+        lines += ["", "bytes per parameter at a step (half = fp16/bf16; docs/opt-levels.md):",
+                  format_columns(info["bytes_per_param"])]
     return "\n".join(lines)

@@ -127,7 +127,10 @@ def _level_list(text: str) -> list[str]:
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
         raise argparse.ArgumentTypeError("empty list of opt levels")
-    return list(dict.fromkeys(_opt_level(item) for item in items))
+    from ..options.values import SWEEP_EXTRA
+
+    return list(dict.fromkeys(SWEEP_EXTRA if item.upper() == SWEEP_EXTRA.upper()
+                              else _opt_level(item) for item in items))
 
 
 def _dtype_list(text: str) -> list[str]:
@@ -232,6 +235,9 @@ def _add_run(subs: Any) -> None:
                       default=None, help="keep batchnorm in float32 (O2/O3)")
     over.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=None,
                       help="keep float32 master weights (O2/O3)")
+    over.add_argument("--compensation", choices=("kahan",),
+                      help="O3: keep each half weight's lost update bits in a half "
+                           "compensation (docs/opt-levels.md)")
     over.add_argument("--min-loss-scale", type=_positive_float, metavar="F",
                       help="floor of the dynamic loss scale")
     over.add_argument("--max-loss-scale", type=_positive_float, metavar="F",
@@ -277,7 +283,8 @@ def _add_sweep(subs: Any) -> None:
                        help="built-in example to run when no script is given "
                             "(default: transformer)")
     sweep.add_argument("--levels", type=_level_list, metavar="L,L",
-                       help="opt levels (default: all four, O0,O1,O2,O3)")
+                       help="opt levels (default: all four and O3 with compensated half "
+                            "weights, O0,O1,O2,O3,O3+kahan)")
     sweep.add_argument("--dtypes", type=_dtype_list, metavar="D,D",
                        help="half dtypes (default: bf16 on CPU; fp16,bf16 on a GPU with bf16)")
     sweep.add_argument("--steps", type=_positive_int, metavar="N",
@@ -411,7 +418,7 @@ def _forced_from_args(args: argparse.Namespace) -> Any:
 
     forced: dict[str, Any] = {key: getattr(args, key) for key in (
         "opt_level", "loss_scale", "keep_batchnorm_fp32", "master_weights", "min_loss_scale",
-        "max_loss_scale") if getattr(args, key) is not None}
+        "max_loss_scale", "compensation") if getattr(args, key) is not None}
     forced.update({"enabled": False} if args.disable else {})
     forced.update({"dtype": args.dtype} if args.dtype is not None else {})
     forced.update({"detect_overflow": "forward"} if args.explain_overflows else {})

@@ -23,6 +23,7 @@ from .values import (
     OptLevel,
     dtype_name,
     parse_bool,
+    parse_compensation,
     parse_count,
     parse_detect_overflow,
     parse_dtype,
@@ -53,11 +54,12 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "detect_overflow": parse_detect_overflow,
     "numerics": parse_numerics,
     "numerics_every": lambda v: parse_count("numerics_every", v),
+    "compensation": parse_compensation,
 }
 FORCEABLE: tuple[str, ...] = tuple(_PARSERS)
 # Options that only make sense for one opt level: a forced level drops the script's values.
 _LEVEL_SPECIFIC = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
-                   "master_weights")
+                   "master_weights", "compensation")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ from .values import (
     dtype_name,
     parse_bool,
     parse_choice,
+    parse_compensation,
     parse_count,
     parse_detect_overflow,
     parse_device_types,
@@ -95,6 +96,9 @@ class Properties:
         numerics_shadow_every: Re-run modules in float32 on every this-many-th watched step
             (the first included) to measure their half outputs' error (0: never).
         keep_fp32: Names of modules (as in ``named_modules()``) that run in float32.
+        compensation: None, or "kahan" (O3 without master weights: each half weight keeps a
+            half compensation so updates below its precision are not lost;
+            docs/opt-levels.md, ``ampx.scaling.compensated``).
     """
 
     opt_level: OptLevel = OptLevel.O1
@@ -125,6 +129,7 @@ class Properties:
     numerics_every: int = 100
     numerics_shadow_every: int = 10
     keep_fp32: tuple[str, ...] = ()
+    compensation: str | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -386,4 +391,18 @@ def resolve_properties(opt_level: Any = DEFAULTS.opt_level.value, **overrides: A
         numerics_shadow_every=parse_count("numerics_shadow_every",
                                           options["numerics_shadow_every"], minimum=0),
         keep_fp32=parse_module_names("keep_fp32", options["keep_fp32"]),
+        compensation=_compensation(given.get("compensation"), values),
     )
+
+
+def _compensation(given: Any, values: Mapping[str, Any]) -> str | None:
+    """The compensation mode, valid only where the half model has no fp32 masters (O3)."""
+    mode = parse_compensation(given)
+    if mode is not None and (values["master_weights"]
+                             or values["cast_model_type"] not in HALF_DTYPES):
+        raise OptionError(
+            f"ampx.initialize: compensation={mode!r} compensates half weights that have no "
+            "fp32 master: use it with opt_level='O3' (or O2 with master_weights=False), not "
+            f"with cast_model_type={values['cast_model_type']}, "
+            f"master_weights={values['master_weights']}.")
+    return mode

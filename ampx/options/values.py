@@ -27,6 +27,7 @@ __all__ = [
     "parse_bool",
     "short_dtype_name",
     "parse_choice",
+    "parse_compensation",
     "parse_detect_overflow",
     "parse_module_names",
     "parse_numerics",
@@ -216,6 +217,15 @@ def parse_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 NUMERICS_CHOICES = ("report",)
+COMPENSATION_CHOICES = ("kahan",)
+SWEEP_EXTRA = "O3+kahan"  # `ampx sweep`'s row for O3 with compensation="kahan"
+
+
+def parse_compensation(value: Any) -> str | None:
+    """None/False/"none" (off) or "kahan" (compensated half weights at O3)."""
+    if value is None or value is False or value == "none":
+        return None
+    return parse_choice("compensation", value, COMPENSATION_CHOICES)
 
 
 def parse_numerics(value: Any) -> str | None:

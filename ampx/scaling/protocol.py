@@ -93,6 +93,8 @@ class SessionHooks:
         on_skip: Called with (optimizer, state) on a skipped step, right after `on_overflow`
             (the gradients and `overflow_flags` are still there); may raise likewise.
         on_step: Called with (optimizer, state) after every step (telemetry).
+        compensation: "kahan": the half weights carry compensations and step through
+            `ampx.scaling.compensated` (decided on the host); None: plain.
     """
 
     scales: bool = True
@@ -102,6 +104,7 @@ class SessionHooks:
     on_overflow: Callable[[Sequence[int]], None] = _noop
     on_skip: Callable[[torch.optim.Optimizer, OptimizerAmpState], None] = _noop
     on_step: Callable[[torch.optim.Optimizer, OptimizerAmpState], None] = _noop
+    compensation: str | None = None
 
 
 @dataclass(eq=False)
@@ -488,7 +491,7 @@ class OptimizerAmpState:
         found = self.found_inf
         if self.stage is Stage.UNSCALED and found is not None and self.policy.skips:
             if getattr(optimizer, "_step_supports_amp_scaling", False) and \
-                    not creates_state(optimizer, cache):
+                    not self.policy.compensation and not creates_state(optimizer, cache):
                 flag = found
             else:
                 skip = bool(found.item())  # the one host sync of a step

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from ..o1 import regions
-from . import closures
+from . import closures, compensated
 from .masters import MasterMap
 from .protocol import ATTR, OptimizerAmpState, SessionHooks, Stage, amp_state_of
 
@@ -200,6 +200,8 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
     if decision.skip:
         args, kwargs = result or (args, kwargs)
         result = (_standin(optimizer), *args[1:]), kwargs
+    elif state.policy.compensation:  # O3 compensated half weights (ampx.scaling.compensated)
+        result = compensated.before_step(optimizer, args, kwargs, _standin)
     elif decision.flag is not None:
         optimizer.grad_scale = None  # type: ignore[attr-defined]  # already unscaled
         optimizer.found_inf = decision.flag.reshape(())  # type: ignore[attr-defined]
@@ -229,6 +231,8 @@ def _step_post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict)
         if "found_inf" in attrs or "grad_scale" in attrs:
             for name in _FUSED_ATTRS:
                 attrs.pop(name, None)
+        if state.policy.compensation:
+            compensated.after_step(optimizer)
         state.after_step(optimizer)
     finally:
         regions.end_step(frame, id(optimizer))

@@ -74,7 +74,7 @@ def test_parse_checks_values_against_each_other(forced: dict[str, Any],
 def test_every_forceable_option_has_a_parser() -> None:
     assert FORCEABLE == ("opt_level", "dtype", "loss_scale", "keep_batchnorm_fp32",
                          "master_weights", "min_loss_scale", "max_loss_scale", "enabled",
-                         "detect_overflow", "numerics", "numerics_every")
+                         "detect_overflow", "numerics", "numerics_every", "compensation")
 
 
 def test_ampx_run_parses_the_opt_level_once(monkeypatch: pytest.MonkeyPatch,

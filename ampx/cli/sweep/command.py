@@ -43,7 +43,7 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
     by the parser). A built-in example gets the default budget unless --budget or --timeout
     says otherwise; a script gets --timeout (900 s) and the budget only when one is given."""
     from ...examples import EXAMPLES
-    from ...options.values import OPT_LEVELS
+    from ...options.values import OPT_LEVELS, SWEEP_EXTRA
 
     example = None
     if args.script is None:
@@ -64,7 +64,8 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
         run_options.append("--force-apex-alias")  # the examples must run on ampx, not apex
     return SweepSpec(
         script=script.resolve(), script_args=list(args.script_args),
-        configs=build_configs(args.levels or list(OPT_LEVELS), args.dtypes or _default_dtypes(),
+        configs=build_configs(args.levels or [*OPT_LEVELS, SWEEP_EXTRA],
+                              args.dtypes or _default_dtypes(),
                               autocast=example is not None and not args.no_autocast),
         out=args.out,
         steps=args.steps if args.steps is not None else (

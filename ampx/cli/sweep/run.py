@@ -53,12 +53,14 @@ class SweepConfig:
         variant: A name for a row of the same level and dtype with other options ("" for
             the level's own row); it ends the label.
         options: Extra `ampx run` options of this row (e.g. an opt-level override).
+        compensation: "kahan" for O3's compensated half weights (the level "O3+kahan").
     """
 
     opt_level: Optional[str]
     dtype: Optional[str]
     variant: str = ""
     options: tuple[str, ...] = ()
+    compensation: Optional[str] = None
 
     @property
     def autocast(self) -> bool:
@@ -69,6 +71,8 @@ class SweepConfig:
     def label(self) -> str:
         """The row label: "O0", "O2 bf16", "autocast bf16"."""
         head = self.opt_level or "autocast"
+        if self.compensation:
+            head += f"+{self.compensation}"
         label = f"{head} {self.dtype}" if self.dtype else head
         return f"{label} {self.variant}" if self.variant else label
 
@@ -138,7 +142,7 @@ def build_configs(levels: Sequence[str], dtypes: Sequence[str], *,
     `LEVEL_ROWS` variant.
 
     Args:
-        levels: Opt levels, e.g. ["O0", "O1", "O2", "O3"].
+        levels: Opt levels, e.g. ["O0", "O1", "O2", "O3", "O3+kahan"].
         dtypes: Half dtypes, e.g. ["bf16"].
         autocast: Add one torch.autocast row per dtype.
 
@@ -154,7 +158,9 @@ def build_configs(levels: Sequence[str], dtypes: Sequence[str], *,
     for level in levels:
         if level == "O0":
             continue
-        configs.extend(SweepConfig(level, dtype, variant, options) for dtype in dtypes
+        level, _, compensation = level.partition("+")  # "O3+kahan"
+        configs.extend(SweepConfig(level, dtype, variant, options, compensation or None)
+                       for dtype in dtypes
                        for variant, options in LEVEL_ROWS.get(level, (("", ()),)))
     if autocast:
         configs.extend(SweepConfig(None, dtype) for dtype in dtypes)
@@ -169,6 +175,8 @@ def command_for(spec: SweepSpec, config: SweepConfig, telemetry_file: Path) -> l
         if config.dtype is not None:
             cmd += ["--dtype", config.dtype]
         cmd += list(config.options)
+        if config.compensation is not None:
+            cmd += ["--compensation", config.compensation]
     if spec.steps is not None:
         cmd += ["--max-steps", str(spec.steps)]
     if spec.numerics and config.opt_level not in (None, "O0"):
