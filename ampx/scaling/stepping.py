@@ -201,6 +201,7 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
         args, kwargs = result or (args, kwargs)
         result = (_standin(optimizer), *args[1:]), kwargs
     elif state.policy.compensation:  # O3 compensated half weights (ampx.scaling.compensated)
+        args, kwargs = result or (args, kwargs)  # the live closure, when there is one
         result = compensated.before_step(optimizer, args, kwargs, _standin)
     elif decision.flag is not None:
         optimizer.grad_scale = None  # type: ignore[attr-defined]  # already unscaled
