@@ -187,7 +187,7 @@ def _fp16_native_conv() -> bool:
 
     oneDNN's flag (`torch.backends.mkldnn._is_mkldnn_fp16_supported`, AVX512-FP16) is not
     enough: on a Xeon with it a small convnet's O2 fp16 training step took 17x the bf16 one
-    (tests/test_convergence.py's digits model: 12.3 s against 0.72 s of CPU time).
+    (tests/test_heldout_convergence.py's digits model: 12.3 s against 0.72 s of CPU time).
     """
     import torch
 

@@ -10,7 +10,7 @@
 #   selftest  ampx selftest: native vs reference on CPU and every GPU through ampx._ext,
 #             the launch-batching cases, graph capture, a 2**31-element tensor; training checks
 #   tests     pytest tests/kernels/test_cuda_build.py tests/kernels/test_kernels.py tests/cli/test_selftest.py
-#   compensated  pytest tests/kernels/test_compensated.py -k cuda: the compensated (Kahan)
+#   compensated  pytest tests/kernels/test_compensated_kernels.py -k cuda: the compensated (Kahan)
 #             SGD/Adam CUDA kernels bitwise against the CPU spec (a skip fails the step)
 #   kernels   benchmarks/bench_kernels.py --device cuda:0 (GB/s: native, reference, torch)
 #   bench     benchmarks/bench_gpu.py (fp16 step times: fp32, autocast+GradScaler, O1, O2,
@@ -80,7 +80,7 @@ EOF
 compensated_check() {
     local log
     log=$(timeout 180 "$PY" -m pytest -q -p no:cacheprovider -rs \
-        tests/kernels/test_compensated.py -k cuda 2>&1)
+        tests/kernels/test_compensated_kernels.py -k cuda 2>&1)
     local rc=$?
     echo "$log"
     [ "$rc" -eq 0 ] && ! grep -q "skipped" <<< "$log"

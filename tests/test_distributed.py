@@ -200,7 +200,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
     records = _Records()
     ampx_logger = logging.getLogger("ampx")
     ampx_logger.addHandler(records)
-    ampx_logger.setLevel(logging.INFO)
+    ampx_logger.setLevel(logging.DEBUG)  # verbosity=0 logs skipped steps at DEBUG (apex: silent)
     results: dict[str, Any] = {"ddp": {}}
     for name, level, dtype, poison, sync in DDP_CASES:
         results["ddp"][name] = _ddp_case(rank, level, dtype, poison, sync)
@@ -266,7 +266,10 @@ def test_fsdp2(results: list) -> None:
 def test_rank_zero_only_logging(results: list) -> None:
     rank0, rank1 = (r["logs"] for r in results)
     assert any("Gradient overflow" in line for line in rank0)
-    assert not [line for line in rank1 if not line.startswith(("ERROR", "CRITICAL"))]
+    # rank 1 logs nothing below ERROR once the session's filter is in (the DEBUG lines of
+    # loading the kernels and installing the patches come before it)
+    assert not [line for line in rank1
+                if line.startswith(("INFO", "WARNING")) or "Gradient overflow" in line]
 
 
 def test_rank_zero_filter_single_process() -> None:

@@ -25,41 +25,21 @@
 #include <vector>
 
 #include "compensated.h"
+#include "vec_io.h"
 
 namespace ampx {
 namespace {
 
 namespace py = pybind11;
-using Vf = at::vec::Vectorized<float>;
-constexpr int64_t kVF = Vf::size();
-constexpr int64_t kStep = 2 * kVF;  // one Vectorized<Half/BFloat16>
+using vec_io::Io;
+using vec_io::kStep;
+using vec_io::kVF;
+using vec_io::Vf;
 constexpr int64_t kChunk = int64_t{1} << 14;  // elements per work item (5 streams in L2)
 constexpr int64_t kSerialBelow = int64_t{1} << 15;  // fewer elements: the calling thread
 
 static_assert(at::vec::Vectorized<at::Half>::size() == kStep, "two float vectors per half");
 static_assert(kChunk % kStep == 0, "items start on a vector step");
-
-// ---- element access: kStep elements as two float vectors, or one as a float ----
-template <typename T>
-struct Io {
-  static void load(const T* p, Vf& a, Vf& b) {
-    std::tie(a, b) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
-  }
-  static void store(T* p, const Vf& a, const Vf& b) {
-    at::vec::convert_from_float<T>(a, b).store(p);
-  }
-};
-template <>
-struct Io<float> {
-  static void load(const float* p, Vf& a, Vf& b) {
-    a = Vf::loadu(p);
-    b = Vf::loadu(p + kVF);
-  }
-  static void store(float* p, const Vf& a, const Vf& b) {
-    a.store(p);
-    b.store(p + kVF);
-  }
-};
 
 inline float vneg(float a) { return -a; }
 inline Vf vneg(const Vf& a) { return a.neg(); }

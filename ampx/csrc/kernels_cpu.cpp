@@ -31,48 +31,22 @@
 #include <type_traits>
 
 #include "ampx.h"
+#include "vec_io.h"
 
 namespace ampx {
 namespace {
 
-using Vf = at::vec::Vectorized<float>;
-constexpr int64_t kVF = Vf::size();
-// Elements per vector step: one Vectorized<Half/BFloat16>, i.e. two float vectors.
-constexpr int64_t kStep = 2 * kVF;
+using vec_io::Io;
+using vec_io::kStep;
+using vec_io::kVF;
+using vec_io::Vf;
 // Elements per work item. A multiple of every step size; 32K elements keep an
 // item's data (<= 128 KiB) in L2 while amortising the per-item overhead.
 constexpr int64_t kChunk = int64_t{1} << 15;
 // Below this many elements in total, run on the calling thread.
 constexpr int64_t kSerialBelow = int64_t{1} << 16;
 
-static_assert(at::vec::Vectorized<at::Half>::size() == kStep,
-              "ampx assumes Vectorized<Half> holds two float vectors");
-static_assert(at::vec::Vectorized<at::BFloat16>::size() == kStep,
-              "ampx assumes Vectorized<BFloat16> holds two float vectors");
 static_assert(kChunk % kStep == 0, "kChunk must be a multiple of the vector step");
-
-// ---- load/store kStep elements as two float vectors ----
-template <typename T>
-struct Io {
-  static void load(const T* p, Vf& a, Vf& b) {
-    auto v = at::vec::Vectorized<T>::loadu(p);
-    std::tie(a, b) = at::vec::convert_to_float<T>(v);
-  }
-  static void store(T* p, const Vf& a, const Vf& b) {
-    at::vec::convert_from_float<T>(a, b).store(p);
-  }
-};
-template <>
-struct Io<float> {
-  static void load(const float* p, Vf& a, Vf& b) {
-    a = Vf::loadu(p);
-    b = Vf::loadu(p + kVF);
-  }
-  static void store(float* p, const Vf& a, const Vf& b) {
-    a.store(p);
-    b.store(p + kVF);
-  }
-};
 
 template <typename T>
 inline float to_float(T v) {
