@@ -22,7 +22,6 @@ from .model import ModelCast, cast_model, check_models, device_types_of
 from .o1 import patch
 from .options.levels import OptionError, Properties
 from .registry import OptimizerExtension
-from .scaling import compensated
 from .scaling.journal import Journal
 from .scaling.masters import MasterMap, install_masters, optimizer_params, recast_state
 from .scaling.protocol import SessionHooks
@@ -133,7 +132,8 @@ def prepare(inputs: Inputs, props: Properties, scalers: Sequence[Any], *, owner:
         if props.master_weights and props.cast_model_type not in (None, torch.float32):
             split = {id(p) for opt in inputs.optimizers for p in optimizer_params(opt)
                      if p.is_floating_point()}
-        before = compensated.originals(inputs.models) if props.compensation else {}
+        compensated = _compensated() if props.compensation else None
+        before = compensated.originals(inputs.models) if compensated else {}
         for model in inputs.models:
             # cast_model undoes itself when it raises; once it returned, its record's undo
             # (hooks, swapped parameters, cast buffers) joins this journal
@@ -149,7 +149,7 @@ def prepare(inputs: Inputs, props: Properties, scalers: Sequence[Any], *, owner:
             if props.cast_model_type is not None:
                 recast_state(opt)
             state = attach(opt, owner, masters, hooks)
-            if props.compensation:
+            if compensated is not None:
                 compensated.install(opt, before, state.handles)
             for extension in extensions:
                 extension.attach(opt, journal)
@@ -205,3 +205,11 @@ def _first_device(inputs: Inputs) -> torch.device:
         for param in model.parameters():
             return param.device
     return torch.device("cpu")
+
+
+def _compensated() -> Any:
+    """`ampx.scaling.compensated`, imported only by a session that turns it on (off costs
+    nothing: not a module loaded)."""
+    from .scaling import compensated
+
+    return compensated

@@ -17,7 +17,7 @@ import pytest
 
 # Loaded only by the features that use them.
 ON_DEMAND = ("wrapt", "ampx.overflow.numerics", "ampx.overflow.numerics_report",
-             "ampx.overflow.flags", "ampx.overflow.forward")
+             "ampx.overflow.flags", "ampx.overflow.forward", "ampx.scaling.compensated")
 
 
 def _loaded_after(body: str) -> set[str]:

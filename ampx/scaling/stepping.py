@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from ..o1 import regions
-from . import closures, compensated
+from . import closures
 from .masters import MasterMap
 from .protocol import ATTR, OptimizerAmpState, SessionHooks, Stage, amp_state_of
 
@@ -202,6 +202,8 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) 
         result = (_standin(optimizer), *args[1:]), kwargs
     elif state.policy.compensation:  # O3 compensated half weights (ampx.scaling.compensated)
         args, kwargs = result or (args, kwargs)  # the live closure, when there is one
+        from . import compensated  # loaded only by sessions that use it
+
         result = compensated.before_step(optimizer, args, kwargs, _standin)
     elif decision.flag is not None:
         optimizer.grad_scale = None  # type: ignore[attr-defined]  # already unscaled
@@ -233,6 +235,8 @@ def _step_post_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict)
             for name in _FUSED_ATTRS:
                 attrs.pop(name, None)
         if state.policy.compensation:
+            from . import compensated
+
             compensated.after_step(optimizer)
         state.after_step(optimizer)
     finally:
