@@ -166,18 +166,8 @@ T* at_offset(const at::Tensor& t, int64_t offset) {
 // Calls f(tensor index, begin, end) for every item, on threads when the work is large.
 template <typename F>
 void for_items(const TensorList& params, const F& f) {
-  struct Item {
-    int64_t tensor, begin, end;
-  };
-  std::vector<Item> items;
   int64_t total = 0;
-  for (size_t t = 0; t < params.size(); ++t) {
-    const int64_t n = params[t].numel();
-    total += n;
-    for (int64_t b = 0; b < n; b += kChunk) {
-      items.push_back({static_cast<int64_t>(t), b, std::min(n, b + kChunk)});
-    }
-  }
+  const auto items = vec_io::make_items(params, kChunk, &total);
   const auto count = static_cast<int64_t>(items.size());
   if (count == 0) return;
   at::parallel_for(0, count, total < kSerialBelow ? count + 1 : 1, [&](int64_t lo, int64_t hi) {

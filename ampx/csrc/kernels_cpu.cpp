@@ -58,24 +58,10 @@ inline T from_float(float v) {
 }
 
 // ---- work items ----
-struct Item {
-  int64_t tensor;
-  int64_t begin;
-  int64_t end;
-};
+using vec_io::Item;
 
 std::vector<Item> make_items(const TensorList& list, int64_t* total) {
-  std::vector<Item> items;
-  int64_t sum = 0;
-  for (size_t t = 0; t < list.size(); ++t) {
-    const int64_t n = list[t].numel();
-    sum += n;
-    for (int64_t b = 0; b < n; b += kChunk) {
-      items.push_back({static_cast<int64_t>(t), b, std::min(n, b + kChunk)});
-    }
-  }
-  *total = sum;
-  return items;
+  return vec_io::make_items(list, kChunk, total);
 }
 
 template <typename F>

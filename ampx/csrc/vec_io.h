@@ -1,13 +1,18 @@
-// Float32-register access to float32, float16 and bfloat16 arrays, shared by the CPU kernels
-// (kernels_cpu.cpp, compensated.cpp): kStep elements load as two Vectorized<float> and store
-// back with round-to-nearest-even, exactly as torch's `.to()` converts.
+// What the CPU kernels (kernels_cpu.cpp, compensated.cpp) share: float32-register access to
+// float32, float16 and bfloat16 arrays (kStep elements load as two Vectorized<float> and store
+// back with round-to-nearest-even, exactly as torch's `.to()` converts), and the split of a
+// tensor list into work items of at most `chunk` elements of one tensor.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
 
 namespace ampx {
 namespace vec_io {
@@ -42,6 +47,29 @@ struct Io<float> {
     b.store(p + kVF);
   }
 };
+
+// One work item: elements [begin, end) of tensor `tensor` of a list.
+struct Item {
+  int64_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+// The items of `list`, at most `chunk` elements each; `*total` receives the element count.
+inline std::vector<Item> make_items(const std::vector<at::Tensor>& list, int64_t chunk,
+                                    int64_t* total) {
+  std::vector<Item> items;
+  int64_t sum = 0;
+  for (size_t t = 0; t < list.size(); ++t) {
+    const int64_t n = list[t].numel();
+    sum += n;
+    for (int64_t b = 0; b < n; b += chunk) {
+      items.push_back({static_cast<int64_t>(t), b, std::min(n, b + chunk)});
+    }
+  }
+  *total = sum;
+  return items;
+}
 
 }  // namespace vec_io
 }  // namespace ampx
